@@ -1,0 +1,46 @@
+"""One exception hierarchy: every error layerswap raises on bad input is a BundleError."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class BundleError(Exception):
+    """Base class of every error layerswap raises on bad input or unsupported combinations."""
+
+
+class UnknownBundleError(BundleError):
+    """A bundle name that is not in the catalog."""
+
+
+class BundleConflictError(BundleError):
+    """Two bundles (or a bundle and a user patch) replace the same transformers class differently."""
+
+
+class UnsupportedTransformersError(BundleError):
+    """The installed transformers lacks a class or internal that a bundle relies on."""
+
+
+class MissingExpertWeightsError(BundleError):
+    """A checkpoint lacks weights for modules layerswap swapped in; loading them random would corrupt the model."""
+
+
+class IncompatibleQuantizerError(BundleError):
+    """A quantizer that cannot work with a bundle's module layout."""
+
+
+class RoutingMismatchError(BundleError):
+    """Recorded routing whose layer count, token count or top_k does not fit the model or the input."""
+
+
+class LayerswapWarning(UserWarning):
+    """Something is probably not what the user intended, but nothing is lost."""
+
+
+def closest_names(name: str, candidates: Iterable[str], n: int = 3) -> str:
+    """'did you mean' text for an error message, or a pointer to the full list."""
+    matches = difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+    if matches:
+        return "Closest names: " + ", ".join(repr(m) for m in matches) + "."
+    return "Run `layerswap list` to see every bundle."

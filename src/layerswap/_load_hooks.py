@@ -1,0 +1,182 @@
+"""What layerswap wraps in transformers while at least one bundle is enabled, and how it is put back.
+
+- `patch_output_recorders` rewrites `_can_record_outputs` on model classes in place, and nothing in transformers
+  undoes it; the wrapper journals every dict and recorder before it is rewritten, so disabling restores them.
+- `PreTrainedModel._finalize_model_loading` would give swapped-in modules whose weights the checkpoint lacks a
+  random init; the wrapper raises MissingExpertWeightsError first, and warns when a bundle swapped nothing.
+- `HfQuantizer.get_modules_to_not_convert` gets the bundles' keep-unquantized modules (routers, 1-wide gates).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+from transformers import modeling_utils
+from transformers.modeling_utils import PreTrainedModel
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.output_capturing import OutputRecorder
+
+from ._errors import IncompatibleQuantizerError, LayerswapWarning, MissingExpertWeightsError
+
+# (owner, attribute name, original value as found in owner.__dict__)
+_installed: list[tuple[Any, str, Any]] = []
+# id(dict) -> (the dict, its items before any rewrite, [(recorder, its target_class before)])
+_recorder_journal: dict[int, tuple[dict, dict, list[tuple[OutputRecorder, Any]]]] = {}
+
+
+def install() -> None:
+    if _installed:
+        return
+    _wrap(modeling_utils, "patch_output_recorders", _make_journaling_patch_output_recorders)
+    _wrap(PreTrainedModel, "_finalize_model_loading", _make_guarded_finalize)
+    _wrap(HfQuantizer, "get_modules_to_not_convert", _make_skip_aware_modules_to_not_convert)
+
+
+def uninstall() -> None:
+    restore_output_recorders()
+    while _installed:
+        owner, attribute, original = _installed.pop()
+        setattr(owner, attribute, original)
+
+
+def installed_attributes() -> tuple[tuple[Any, str], ...]:
+    return tuple((owner, attribute) for owner, attribute, _ in _installed)
+
+
+def _wrap(owner: Any, attribute: str, make_wrapper: Any) -> None:
+    original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
+    _installed.append((owner, attribute, original))
+    setattr(owner, attribute, make_wrapper(original))
+
+
+# --- output recorders -------------------------------------------------------------------------------------
+
+
+def _journal_recorders(model: nn.Module) -> None:
+    for module in model.modules():
+        recorders = getattr(type(module), "_can_record_outputs", None)
+        if not isinstance(recorders, dict) or id(recorders) in _recorder_journal:
+            continue
+        targets = []
+        for value in recorders.values():
+            for recorder in value if isinstance(value, list) else [value]:
+                if isinstance(recorder, OutputRecorder):
+                    targets.append((recorder, recorder.target_class))
+        _recorder_journal[id(recorders)] = (recorders, dict(recorders), targets)
+
+
+def restore_output_recorders() -> None:
+    while _recorder_journal:
+        _, (recorders, items, targets) = _recorder_journal.popitem()
+        recorders.clear()
+        recorders.update(items)
+        for recorder, target_class in targets:
+            recorder.target_class = target_class
+
+
+def _make_journaling_patch_output_recorders(original: Any) -> Any:
+    def patch_output_recorders(model: nn.Module) -> None:
+        _journal_recorders(model)
+        original(model)
+
+    return patch_output_recorders
+
+
+# --- load guard -------------------------------------------------------------------------------------------
+
+
+def _make_guarded_finalize(original: staticmethod) -> staticmethod:
+    finalize = original.__func__
+
+    def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
+        _raise_on_missing_swapped_weights(model, load_config, loading_info)
+        result = finalize(model, load_config, loading_info)
+        _warn_on_bundles_that_swapped_nothing(model)
+        return result
+
+    return staticmethod(_finalize_model_loading)
+
+
+def swapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if hasattr(type(m), "_layerswap_original")]
+
+
+def _raise_on_missing_swapped_weights(model: nn.Module, load_config: Any, loading_info: Any) -> None:
+    prefixes = [name + "." for name, module in swapped_modules(model) if getattr(module, "_layerswap_strict", False)]
+    if not prefixes:
+        return
+    missing = sorted(k for k in loading_info.missing_keys if any(k.startswith(p) for p in prefixes))
+    if not missing:
+        return
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    source = getattr(load_config, "pretrained_model_name_or_path", "the checkpoint")
+    raise MissingExpertWeightsError(
+        f"{source} lacks {len(missing)} weight(s) of modules that layerswap swapped in: {shown}. Loading "
+        "would leave them randomly initialised. Check that the checkpoint is complete and of this model "
+        "family (per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'); "
+        "to start from random weights on purpose, use from_config instead of from_pretrained."
+    )
+
+
+def _warn_on_bundles_that_swapped_nothing(model: nn.Module) -> None:
+    from ._registry import enabled_records
+
+    swapped_classes = {type(m) for _, m in swapped_modules(model)}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for bundle, _, replacements in enabled_records():
+        if not replacements or swapped_classes & replacements:
+            continue
+        warnings.warn(
+            f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
+            f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
+            "model's family (`layerswap list`), or disable this one.",
+            LayerswapWarning,
+            stacklevel=4,
+        )
+
+
+# --- quantizer hints --------------------------------------------------------------------------------------
+
+
+def _make_skip_aware_modules_to_not_convert(original: Any) -> Any:
+    def get_modules_to_not_convert(self: HfQuantizer, model: Any, *args: Any, **kwargs: Any) -> list[str]:
+        modules = original(self, model, *args, **kwargs)
+        _refuse_incompatible_quantizer(self, model)
+        return sorted(set(modules) | set(keep_unquantized_modules(model)))
+
+    return get_modules_to_not_convert
+
+
+def keep_unquantized_modules(model: nn.Module) -> list[str]:
+    """Full names of the modules in `model` that enabled bundles keep out of quantization."""
+    from ._registry import enabled_records
+
+    model_types = {getattr(getattr(m, "config", None), "model_type", None) for m in model.modules()}
+    suffixes: set[str] = set()
+    for bundle, options, _ in enabled_records():
+        if model_types.isdisjoint(bundle.model_types):
+            continue
+        chosen = options.keep_unquantized if options.keep_unquantized is not None else bundle.keep_unquantized
+        suffixes.update(chosen)
+    if not suffixes:
+        return []
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name and any(name == s or name.endswith("." + s) for s in suffixes)
+    ]
+
+
+def _refuse_incompatible_quantizer(quantizer: HfQuantizer, model: nn.Module) -> None:
+    if type(quantizer).__name__ != "FineGrainedFP8HfQuantizer":
+        return
+    experts = [name for name, m in swapped_modules(model) if name.endswith(".experts") and isinstance(m, nn.ModuleList)]
+    if experts:
+        raise IncompatibleQuantizerError(
+            "transformers' finegrained_fp8 quantizer replaces every module named '*.experts' with its own fused "
+            f"3D FP8 experts, which would swallow layerswap's per-expert nn.Linear layers (e.g. {experts[0]}). "
+            "finegrained_fp8 already quantizes the stock fused experts: disable the '-quant' bundle for this load "
+            "(layerswap.disable_bundle(...)), or use a quantizer that targets nn.Linear (bitsandbytes, torchao, quanto)."
+        )

@@ -1,0 +1,289 @@
+"""Enable and disable bundles: register their patches and conversions in transformers, and put back exactly
+what was there before. All registry work holds one lock."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from transformers import conversion_mapping, monkey_patching
+
+from . import _load_hooks
+from ._bundle import Bundle, BundleOptions, Patch
+from ._compat import TRANSFORMERS_VERSION
+from ._errors import BundleConflictError, BundleError, UnknownBundleError, UnsupportedTransformersError
+
+_LOCK = threading.RLock()
+
+
+@dataclass
+class _EnabledBundle:
+    bundle: Bundle
+    options: BundleOptions
+    replacements: dict[str, type[nn.Module]]
+
+
+@dataclass
+class _PatchOwner:
+    replacement: type[nn.Module]
+    bundles: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _SavedConversion:
+    present: bool
+    mapping: Any
+    user_registered: bool
+
+
+_enabled: dict[str, _EnabledBundle] = {}
+_patch_owners: dict[str, _PatchOwner] = {}
+_saved_conversions: dict[str, _SavedConversion] = {}
+# (adapter, original class, options) -> replacement: enabling twice gives the very same class.
+_adapter_cache: dict[tuple[Any, type, BundleOptions], type[nn.Module]] = {}
+
+
+def get_bundle(name: str) -> Bundle:
+    from .catalog import CATALOG
+
+    if not isinstance(name, str):
+        raise BundleError(f"A bundle name is a string such as 'qwen2_moe-quant', got {type(name).__name__}.")
+    try:
+        return CATALOG[name]
+    except KeyError:
+        from ._errors import closest_names
+
+        raise UnknownBundleError(f"No bundle named {name!r}. {closest_names(name, CATALOG)}") from None
+
+
+def list_bundles() -> list[Bundle]:
+    from .catalog import CATALOG
+
+    return list(CATALOG.values())
+
+
+def enabled_bundles() -> tuple[str, ...]:
+    with _LOCK:
+        return tuple(_enabled)
+
+
+def enabled_records() -> tuple[tuple[Bundle, BundleOptions, frozenset[type[nn.Module]]], ...]:
+    """(bundle, its options, the replacement classes it registered) for each enabled bundle, in enable order."""
+    with _LOCK:
+        return tuple((e.bundle, e.options, frozenset(e.replacements.values())) for e in _enabled.values())
+
+
+def bundles_patching(class_name: str) -> tuple[str, ...]:
+    with _LOCK:
+        owner = _patch_owners.get(class_name)
+        return tuple(owner.bundles) if owner else ()
+
+
+def enable_bundle(name: str, **options: Any) -> Bundle:
+    """Enable `name` before `from_pretrained` / `from_config`.
+
+    Enabling an enabled bundle again with the same options does nothing; with other options it raises
+    BundleError (disable it first).
+    """
+    bundle = get_bundle(name)
+    resolved = bundle.make_options(options)
+    with _LOCK:
+        current = _enabled.get(name)
+        if current is not None:
+            if current.options == resolved:
+                return bundle
+            raise BundleError(
+                f"Bundle {name!r} is already enabled with {current.options}; call "
+                f"layerswap.disable_bundle({name!r}) before enabling it with {resolved}."
+            )
+        replacements = {patch.class_name: _build_replacement(bundle, patch, resolved) for patch in bundle.patches}
+        _check_conflicts(bundle, replacements)
+        if not _enabled:
+            _load_hooks.install()
+        try:
+            for class_name, replacement in replacements.items():
+                owner = _patch_owners.get(class_name)
+                if owner is None:
+                    monkey_patching.register_patch_mapping({class_name: replacement})
+                    owner = _patch_owners[class_name] = _PatchOwner(replacement)
+                owner.bundles.append(name)
+            _enabled[name] = _EnabledBundle(bundle, resolved, replacements)
+            for model_type in bundle.conversions:
+                _sync_conversions(model_type)
+        except BaseException:
+            _disable_locked(name, missing_ok=True)
+            raise
+    return bundle
+
+
+def disable_bundle(name: str) -> None:
+    """Disable `name`, restoring exactly the transformers state it changed. Disabling a bundle that is not
+    enabled raises BundleError."""
+    get_bundle(name)
+    with _LOCK:
+        if name not in _enabled:
+            raise BundleError(
+                f"Bundle {name!r} is not enabled (enabled: {list(_enabled) or 'none'}); nothing to disable."
+            )
+        _disable_locked(name)
+
+
+def disable_all() -> None:
+    with _LOCK:
+        for name in reversed(list(_enabled)):
+            _disable_locked(name)
+
+
+@contextmanager
+def use_bundle(*names: str, **options: Any) -> Iterator[tuple[str, ...]]:
+    """Enable `names` for the block and disable them on exit, even when the block raises. Bundles that were
+    already enabled before the block stay enabled."""
+    newly_enabled = []
+    try:
+        for name in names:
+            already = name in enabled_bundles()
+            enable_bundle(name, **options)
+            if not already:
+                newly_enabled.append(name)
+        yield names
+    finally:
+        for name in reversed(newly_enabled):
+            disable_bundle(name)
+
+
+def _disable_locked(name: str, missing_ok: bool = False) -> None:
+    """Undo `name`; with `missing_ok`, also the partial work of an enable that failed half-way."""
+    record = _enabled.pop(name, None)
+    if record is None and not missing_ok:
+        raise BundleError(f"Bundle {name!r} is not enabled.")
+    bundle = record.bundle if record else get_bundle(name)
+    for class_name in list(_patch_owners):
+        owner = _patch_owners[class_name]
+        if name in owner.bundles:
+            owner.bundles.remove(name)
+            if not owner.bundles:
+                monkey_patching.unregister_patch_mapping([class_name])
+                del _patch_owners[class_name]
+    for model_type in bundle.conversions:
+        _sync_conversions(model_type)
+    # Output recorders are restored on every disable: a later load re-patches them for the bundles still enabled.
+    _load_hooks.restore_output_recorders()
+    if not _enabled:
+        _load_hooks.uninstall()
+
+
+def _build_replacement(bundle: Bundle, patch: Patch, options: BundleOptions) -> type[nn.Module]:
+    original = _import_original(bundle, patch)
+    key = (patch.adapter, original, options)
+    replacement = _adapter_cache.get(key)
+    if replacement is None:
+        replacement = patch.adapter(original, options)
+        _check_replacement_contract(original, replacement)
+        _adapter_cache[key] = replacement
+    return replacement
+
+
+def _import_original(bundle: Bundle, patch: Patch) -> type[nn.Module]:
+    try:
+        module = importlib.import_module(patch.module)
+    except ImportError as error:
+        raise UnsupportedTransformersError(
+            f"Bundle {bundle.name!r} needs module {patch.module}, which transformers {TRANSFORMERS_VERSION} "
+            f"does not have ({error}). Upgrade transformers or pick another bundle."
+        ) from error
+    original = getattr(module, patch.class_name, None)
+    if not isinstance(original, type):
+        raise UnsupportedTransformersError(
+            f"Bundle {bundle.name!r} replaces {patch.module}.{patch.class_name}, but transformers "
+            f"{TRANSFORMERS_VERSION} has no such class. Upgrade transformers or pick another bundle."
+        )
+    # Inside `apply_patches` the module attribute is already our replacement; we want the stock class.
+    return getattr(original, "_layerswap_original", original)
+
+
+def _check_replacement_contract(original: type[nn.Module], replacement: type[nn.Module]) -> None:
+    """The replacement's forward accepts the stock forward's arguments, by the same names, in the same order."""
+    stock = _positional_names(original.forward)
+    ours = _positional_names(replacement.forward)
+    if ours[: len(stock)] != stock:
+        raise BundleError(
+            f"{replacement.__qualname__}.forward{ours} does not match the forward{stock} of "
+            f"{original.__module__}.{original.__qualname__} it replaces."
+        )
+
+
+def _positional_names(function: Any) -> tuple[str, ...]:
+    parameters = inspect.signature(function).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds and p.name != "self")
+
+
+def _check_conflicts(bundle: Bundle, replacements: dict[str, type[nn.Module]]) -> None:
+    foreign = monkey_patching.get_patch_mapping()
+    for class_name, replacement in replacements.items():
+        owner = _patch_owners.get(class_name)
+        if owner is not None and owner.replacement is not replacement:
+            raise BundleConflictError(
+                f"Bundle {bundle.name!r} and bundle {owner.bundles[0]!r} both replace {class_name}, "
+                f"with {replacement.__qualname__} and {owner.replacement.__qualname__}. Enable only one of them."
+            )
+        if owner is None and class_name in foreign:
+            raise BundleConflictError(
+                f"Bundle {bundle.name!r} replaces {class_name}, but a patch registered outside layerswap "
+                f"already replaces it with {foreign[class_name].__qualname__}. Remove it with "
+                f"transformers.monkey_patching.unregister_patch_mapping([{class_name!r}]) first."
+            )
+
+
+def stock_conversions(model_type: str) -> list | None:
+    """A copy of `model_type`'s conversion list as transformers had it before any bundle edited it."""
+    with _LOCK:
+        saved = _saved_conversions.get(model_type)
+        if saved is not None:
+            return copy.deepcopy(saved.mapping) if saved.present else None
+        return conversion_mapping.get_checkpoint_conversion_mapping(model_type)
+
+
+def _conversion_cache() -> dict[str, Any]:
+    conversion_mapping.get_checkpoint_conversion_mapping("llama")  # builds the cache on first use
+    return conversion_mapping._checkpoint_conversion_mapping_cache
+
+
+def _sync_conversions(model_type: str) -> None:
+    """Register, for `model_type`, the stock conversions as edited by every enabled bundle, in enable order;
+    with no bundle left, put back the original entry (or its absence) exactly."""
+    cache = _conversion_cache()
+    edits = [
+        (record.bundle.conversions[model_type], record.options)
+        for record in _enabled.values()
+        if model_type in record.bundle.conversions
+    ]
+    if model_type not in _saved_conversions:
+        if not edits:
+            return
+        _saved_conversions[model_type] = _SavedConversion(
+            present=model_type in cache,
+            mapping=cache.get(model_type),
+            user_registered=model_type in conversion_mapping.USER_REGISTERED_MAPPINGS,
+        )
+    saved = _saved_conversions[model_type]
+    if not edits:
+        if saved.present:
+            cache[model_type] = saved.mapping
+        else:
+            cache.pop(model_type, None)
+        if not saved.user_registered:
+            conversion_mapping.USER_REGISTERED_MAPPINGS.discard(model_type)
+        del _saved_conversions[model_type]
+        return
+    mapping = copy.deepcopy(saved.mapping) if saved.present else []
+    for edit, options in edits:
+        mapping = edit(mapping, options)
+    conversion_mapping.register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)

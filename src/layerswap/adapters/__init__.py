@@ -1,0 +1,1 @@
+"""Replacement nn.Modules, generic across model families."""

@@ -1,0 +1,149 @@
+"""LinearExperts: MoE experts as an nn.ModuleList of plain nn.Linear, so every quantizer sees them.
+
+One generic adapter serves every family whose Experts class has the stock v5 layout ("group A"):
+`gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`, no bias, `act_fn(gate) * up`.
+It does not subclass the stock class: `_init_weights` would initialise the 3D parameters it no longer has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._bundle import BundleOptions
+from .._compat import TRANSFORMERS_VERSION
+from .._errors import UnsupportedTransformersError
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Attribute names of one expert's projections, as the family's per-expert checkpoints name them
+    (qwen2_moe: gate_proj/up_proj/down_proj; mixtral: w1/w3/w2), so checkpoints load without renaming."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+class ExpertMLP(nn.Module):
+    """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear without bias."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module, names: ExpertNames) -> None:
+        super().__init__()
+        self.names = names
+        self.add_module(names.gate, nn.Linear(hidden_size, intermediate_size, bias=False))
+        self.add_module(names.up, nn.Linear(hidden_size, intermediate_size, bias=False))
+        self.add_module(names.down, nn.Linear(intermediate_size, hidden_size, bias=False))
+        self.act_fn = act_fn
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Looked up by name on every call: quantizers replace the Linear children in place.
+        gate = getattr(self, self.names.gate)(hidden_states)
+        up = getattr(self, self.names.up)(hidden_states)
+        return getattr(self, self.names.down)(self.act_fn(gate) * up)
+
+
+class LinearExperts(nn.ModuleList):
+    """Drop-in for a group-A Experts module, with the same forward contract:
+    `forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
+
+    Per-family subclasses set `_layerswap_original` (the stock class, used to read shapes and the activation
+    from the config exactly as the family does) and `expert_names`.
+    """
+
+    _layerswap_original: type[nn.Module]
+    _layerswap_strict = True  # a checkpoint lacking these weights is an error, never a random init
+    expert_names: ExpertNames = ExpertNames()
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        reference = _stock_reference(self._layerswap_original, config, args, kwargs)
+        num_experts, twice_intermediate, hidden_size = reference.gate_up_proj.shape
+        intermediate_size = twice_intermediate // 2
+        super().__init__(
+            ExpertMLP(hidden_size, intermediate_size, reference.act_fn, self.expert_names)
+            for _ in range(num_experts)
+        )
+        self.config = config
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_size
+        self.intermediate_dim = intermediate_size
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        output = torch.zeros_like(hidden_states)
+        top_k = top_k_index.shape[-1]
+        with torch.no_grad():
+            flat_experts = top_k_index.reshape(-1)
+            order = torch.argsort(flat_experts, stable=True)
+            # minlength E + 1: index E is the "not on this rank" sentinel of expert parallelism; it is skipped.
+            counts = torch.bincount(flat_experts, minlength=self.num_experts + 1).tolist()
+        token_of_pair = order // top_k
+        weight_of_pair = top_k_weights.reshape(-1)[order]
+        start = 0
+        for expert_index, count in enumerate(counts[: self.num_experts]):
+            if count:
+                tokens = token_of_pair[start : start + count]
+                expert_output = self[expert_index](hidden_states[tokens])
+                expert_output = expert_output * weight_of_pair[start : start + count, None]
+                output.index_add_(0, tokens, expert_output.to(output.dtype))
+            start += count
+        return output
+
+    def extra_repr(self) -> str:
+        return f"replaces={self._layerswap_original.__name__}, num_experts={self.num_experts}"
+
+
+def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs: dict) -> nn.Module:
+    """The stock module, built on the meta device (no memory), to read its shapes and activation."""
+    with torch.device("meta"):
+        reference = original(config, *args, **kwargs)
+    layout = {
+        "is_concatenated": True,
+        "is_transposed": False,
+        "has_bias": False,
+        "has_gate": True,
+        "has_post_expert_norm": False,
+    }
+    found = {key: getattr(reference, key, None) for key in layout}
+    shapes_ok = (
+        getattr(reference, "gate_up_proj", None) is not None
+        and getattr(reference, "down_proj", None) is not None
+        and reference.gate_up_proj.dim() == 3
+        and reference.down_proj.shape[0] == reference.gate_up_proj.shape[0]
+        and reference.down_proj.shape[1] == reference.gate_up_proj.shape[2]
+        and 2 * reference.down_proj.shape[2] == reference.gate_up_proj.shape[1]
+    )
+    if found != layout or not shapes_ok or not hasattr(reference, "act_fn"):
+        raise UnsupportedTransformersError(
+            f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} does not have "
+            f"the stock fused-experts layout LinearExperts expects (found {found}, "
+            f"gate_up_proj {tuple(getattr(reference, 'gate_up_proj', torch.empty(0)).shape)}). "
+            "This family needs its own adapter; please report it."
+        )
+    return reference
+
+
+def linear_experts_adapter(model_type: str) -> Any:
+    """An AdapterFactory building the LinearExperts subclass that replaces one family's Experts class, with
+    the projection names of that family's stock per-expert checkpoints."""
+
+    def build(original: type[nn.Module], options: BundleOptions) -> type[nn.Module]:
+        from ..conversions.experts import stock_experts_layout
+
+        names = stock_experts_layout(model_type).names
+        return type(
+            f"Linear{original.__name__}",
+            (LinearExperts,),
+            {
+                "_layerswap_original": original,
+                "expert_names": names,
+                "__module__": __name__,
+                "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",
+            },
+        )
+
+    return build

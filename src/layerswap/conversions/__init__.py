@@ -1,0 +1,1 @@
+"""Checkpoint conversions (WeightConverter / ConversionOps), each with an exact reverse."""

@@ -1,0 +1,185 @@
+"""Checkpoint conversions for LinearExperts.
+
+A LinearExperts model names its weights like the family's per-expert checkpoints
+(`mlp.experts.3.gate_proj.weight`, mixtral `mlp.experts.3.w1.weight`), so per-expert checkpoints load by the
+family's stock renamings alone, with no 2D -> 3D -> 2D round trip. Fused checkpoints (`mlp.experts.gate_up_proj`,
+what `save_pretrained(save_original_format=False)` writes) are split on load. Saving writes the family's stock
+layout: per-expert for families whose stock conversions merge per-expert keys, fused for the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.core_model_loading import (
+    Concatenate,
+    ConversionOps,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    WeightTransform,
+)
+
+from .._bundle import BundleOptions
+from ..adapters.experts import ExpertNames
+
+_PER_EXPERT_SOURCE = re.compile(r"^(?P<prefix>.*experts)\.\*\.(?P<name>\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How a family's stock conversions store experts in checkpoints."""
+
+    names: ExpertNames
+    experts_prefix: str  # pattern of the experts module path as the converters see it, e.g. "mlp.experts"
+    per_expert_checkpoints: bool  # stock merges per-expert keys into 3D tensors on load
+
+
+def _is_per_expert_merge(transform: WeightTransform) -> bool:
+    return (
+        isinstance(transform, WeightConverter)
+        and bool(transform.operations)
+        and isinstance(transform.operations[0], MergeModulelist)
+        and all(_PER_EXPERT_SOURCE.match(s) for s in transform._original_source_patterns)
+        and len(transform._original_target_patterns) == 1
+        and transform._original_target_patterns[0].endswith(("experts.gate_up_proj", "experts.down_proj"))
+    )
+
+
+def experts_layout(stock: list[WeightTransform] | None) -> ExpertsLayout:
+    merges = [t for t in stock or [] if _is_per_expert_merge(t)]
+    if not merges:
+        return ExpertsLayout(ExpertNames(), "experts", per_expert_checkpoints=False)
+    names: dict[str, str] = {}
+    prefix = "experts"
+    for merge in merges:
+        matches = [_PER_EXPERT_SOURCE.match(s) for s in merge._original_source_patterns]
+        prefix = matches[0]["prefix"]
+        if merge._original_target_patterns[0].endswith("gate_up_proj"):
+            names["gate"], names["up"] = (m["name"] for m in matches)
+        else:
+            names["down"] = matches[0]["name"]
+    return ExpertsLayout(ExpertNames(**names), prefix, per_expert_checkpoints=True)
+
+
+@functools.lru_cache(maxsize=None)
+def stock_experts_layout(model_type: str) -> ExpertsLayout:
+    from .._registry import stock_conversions
+
+    return experts_layout(stock_conversions(model_type))
+
+
+class SplitFusedExperts(ConversionOps):
+    """Fused `[E, 2I, H]` gate_up (or `[E, H, I]` down) -> one tensor per expert and projection.
+
+    `targets` are per-expert key patterns with `*` for the expert index; two targets split gate_up into gate
+    (first half of dim 1) and up, one target takes down as is.
+    """
+
+    def __init__(self, targets: tuple[str, ...]) -> None:
+        self.targets = targets
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs):
+        if len(input_dict) != 1:
+            raise ValueError(f"SplitFusedExperts expects one fused tensor, got {sorted(input_dict)}")
+        tensor = next(iter(input_dict.values()))
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        if tensor.dim() != 3:
+            raise ValueError(f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}")
+        parts = tensor.chunk(len(self.targets), dim=1)
+        # clone: each expert gets its own storage (views of one fused tensor cannot be saved by safetensors).
+        return {
+            target.replace("*", str(expert)): part[expert].clone()
+            for target, part in zip(self.targets, parts)
+            for expert in range(tensor.shape[0])
+        }
+
+
+class FusedToLinearExperts(WeightConverter):
+    """Loads a fused experts tensor into LinearExperts' per-expert weights.
+
+    The converter's target is the first real per-expert key (`...experts.0.gate_proj.weight`): transformers only
+    accepts a renamed key that the model has, and SplitFusedExperts then names every expert's tensor.
+    With `saves_fused`, saving merges the experts back (the family's stock layout is fused); without, saving
+    leaves the per-expert keys as they are (the stock layout is per-expert) and the converter is load-only.
+    """
+
+    __slots__ = ("per_expert_targets", "saves_fused")
+
+    def __init__(
+        self,
+        source_patterns: str | list[str],
+        target_patterns: str | list[str],
+        operations: list[ConversionOps],
+        force_cpu: bool = False,
+        *,
+        per_expert_targets: tuple[str, ...] = (),
+        saves_fused: bool = False,
+    ) -> None:
+        super().__init__(source_patterns, target_patterns, operations, force_cpu)
+        self.per_expert_targets = per_expert_targets
+        self.saves_fused = saves_fused
+
+    def copy(self, source_patterns, target_patterns, **kwargs) -> WeightConverter:
+        kwargs.setdefault("per_expert_targets", self.per_expert_targets)
+        kwargs.setdefault("saves_fused", self.saves_fused)
+        return super().copy(source_patterns, target_patterns, **kwargs)
+
+    def was_used(self) -> bool:
+        # from_pretrained keeps the transforms that were used, to reverse them on save; a load-only one is not.
+        return self.saves_fused and super().was_used()
+
+    def reverse_transform(self) -> WeightTransform:
+        if not self.saves_fused:
+            return _never_matching_renaming()
+        operations = [MergeModulelist(dim=0)]
+        if len(self.per_expert_targets) == 2:
+            operations.append(Concatenate(dim=1))
+        operations += [op.reverse_op for op in self.operations[-2::-1]]
+        reverse = WeightConverter(
+            source_patterns=list(self.per_expert_targets),
+            target_patterns=list(self._original_source_patterns),
+            operations=operations,
+        )
+        reverse.scope_prefix, reverse.base_model_prefix = self.scope_prefix, self.base_model_prefix
+        return reverse
+
+
+def _never_matching_renaming() -> WeightRenaming:
+    return WeightRenaming(source_patterns=r"(?!)", target_patterns=r"(?!)")
+
+
+def linear_experts_conversions(stock: list[WeightTransform], options: BundleOptions) -> list[WeightTransform]:
+    """The ConversionEdit of the `-quant` bundles: drop the stock per-expert -> 3D merges (LinearExperts is
+    named like per-expert checkpoints already) and load fused checkpoints by splitting them."""
+    layout = experts_layout(stock)
+    names = layout.names
+    kept: list[WeightTransform] = []
+    # A stock converter acting on the fused tensor itself (e.g. a transpose) runs before the split.
+    fused_ops: dict[str, tuple[list[str], list[ConversionOps]]] = {}
+    for transform in stock:
+        if _is_per_expert_merge(transform):
+            continue
+        target = transform._original_target_patterns[0] if transform._original_target_patterns else ""
+        if isinstance(transform, WeightConverter) and target.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            fused_ops[target.rsplit(".", 1)[-1]] = (list(transform._original_source_patterns), transform.operations)
+            continue
+        kept.append(transform)
+    for fused, projections in (("gate_up_proj", (names.gate, names.up)), ("down_proj", (names.down,))):
+        targets = tuple(f"{layout.experts_prefix}.*.{name}.weight" for name in projections)
+        sources, pre_ops = fused_ops.get(fused, ([f"{layout.experts_prefix}.{fused}"], []))
+        kept.append(
+            FusedToLinearExperts(
+                source_patterns=sources,
+                target_patterns=targets[0].replace("*", "0"),
+                operations=[*pre_ops, SplitFusedExperts(targets)],
+                per_expert_targets=targets,
+                saves_fused=not layout.per_expert_checkpoints,
+            )
+        )
+    return kept

@@ -1,0 +1,147 @@
+"""What a model looks like after loading: swapped modules, where its parameters live, what is quantized."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .adapters.experts import LinearExperts
+
+# Class names of quantized linear layers that are not nn.Linear subclasses, or hide their quantization there.
+_QUANTIZED_LINEAR_NAMES = {
+    "Linear4bit",
+    "Linear8bitLt",
+    "HQQLinear",
+    "QLinear",
+    "WQLinear_GEMM",
+    "QuantLinear",
+    "FP8Linear",
+}
+_QUANTIZED_WEIGHT_NAMES = {"Params4bit", "Int8Params", "AffineQuantizedTensor", "LinearActivationQuantizedTensor"}
+
+
+@dataclass(frozen=True)
+class Report:
+    """Parameter counts are logical (a 4-bit weight of 64x64 counts 4096), so shares compare across dtypes."""
+
+    swapped: dict[str, int]
+    linear_params: int
+    other_params: int
+    quantized_params: int
+    expert_params: int
+    expert_linear_params: int
+    expert_quantized_params: int
+    footprint_bytes: int
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def total_params(self) -> int:
+        return self.linear_params + self.other_params
+
+    @property
+    def linear_share(self) -> float:
+        """Share of all parameters that sit in (possibly quantized) linear layers, i.e. that quantizers see."""
+        return self.linear_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def quantized_share(self) -> float:
+        return self.quantized_params / self.total_params if self.total_params else 0.0
+
+    @property
+    def expert_quantized_share(self) -> float:
+        return self.expert_quantized_params / self.expert_params if self.expert_params else 0.0
+
+    def __str__(self) -> str:
+        swapped = ", ".join(f"{name} x{count}" for name, count in sorted(self.swapped.items())) or "nothing"
+        lines = [
+            f"swapped modules       {swapped}",
+            f"parameters            {self.total_params:,}",
+            f"  in linear layers    {self.linear_params:,} ({self.linear_share:.1%})",
+            f"  quantized           {self.quantized_params:,} ({self.quantized_share:.1%})",
+            f"expert parameters     {self.expert_params:,}",
+            f"  in linear layers    {self.expert_linear_params:,}",
+            f"  quantized           {self.expert_quantized_params:,} ({self.expert_quantized_share:.1%})",
+            f"weight footprint      {self.footprint_bytes / 2**20:,.2f} MiB",
+        ]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    if type(module).__name__ in _QUANTIZED_LINEAR_NAMES:
+        return True
+    weight = getattr(module, "weight", None)
+    if weight is None or not isinstance(module, nn.Linear):
+        return False
+    return type(weight).__name__ in _QUANTIZED_WEIGHT_NAMES or type(getattr(weight, "data", weight)).__name__ in (
+        _QUANTIZED_WEIGHT_NAMES
+    )
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_quantized_linear(module)
+
+
+def _logical_linear_params(module: nn.Module) -> int:
+    in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if in_features is None or out_features is None:
+        return sum(p.numel() for p in module.parameters(recurse=False))
+    bias = getattr(module, "bias", None)
+    return in_features * out_features + (bias.numel() if bias is not None else 0)
+
+
+def _is_stock_experts(module: nn.Module) -> bool:
+    gate_up = getattr(module, "gate_up_proj", None)
+    return isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3 and not isinstance(module, LinearExperts)
+
+
+def report(model: nn.Module) -> Report:
+    """Count where `model`'s parameters are: linear or not, quantized or not, expert or not."""
+    from ._load_hooks import swapped_modules
+    from ._registry import enabled_records
+
+    swapped = Counter(type(m)._layerswap_original.__name__ for _, m in swapped_modules(model))
+    linear = other = quantized = experts = experts_linear = experts_quantized = 0
+    expert_linear_ids = {
+        id(m) for module in model.modules() if isinstance(module, LinearExperts) for m in module.modules()
+    }
+    stock_expert_ids = {id(m) for m in model.modules() if _is_stock_experts(m)}
+    for module in model.modules():
+        if _is_linear(module):
+            count = _logical_linear_params(module)
+            linear += count
+            is_quantized = is_quantized_linear(module)
+            quantized += count if is_quantized else 0
+            if id(module) in expert_linear_ids:
+                experts += count
+                experts_linear += count
+                experts_quantized += count if is_quantized else 0
+            continue
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        other += own
+        if id(module) in stock_expert_ids:
+            experts += own
+    footprint = sum(p.numel() * p.element_size() for p in model.parameters())
+    footprint += sum(b.numel() * b.element_size() for b in model.buffers())
+    warnings = []
+    swapped_classes = {type(m) for _, m in swapped_modules(model)}
+    for bundle, _, replacements in enabled_records():
+        if replacements and not swapped_classes & replacements:
+            warnings.append(f"enabled bundle {bundle.name!r} swapped nothing in this model")
+    if experts and experts_quantized == 0 and quantized:
+        warnings.append(
+            "the model is quantized but none of its expert parameters are: enable the family's '-quant' bundle"
+        )
+    return Report(
+        swapped=dict(swapped),
+        linear_params=linear,
+        other_params=other,
+        quantized_params=quantized,
+        expert_params=experts,
+        expert_linear_params=experts_linear,
+        expert_quantized_params=experts_quantized,
+        footprint_bytes=footprint,
+        warnings=tuple(warnings),
+    )

@@ -13,6 +13,9 @@ from transformers.core_model_loading import WeightTransform
 
 # Builds the replacement class from the transformers class it replaces and the bundle's options.
 AdapterFactory = Callable[[type[nn.Module], "BundleOptions"], type[nn.Module]]
+# Changes some other transformers state (a class attribute, an interface entry) and returns the function that
+# puts back exactly what it changed. Runs on enable; the returned function runs on disable.
+Installer = Callable[["BundleOptions"], Callable[[], None]]
 # Rewrites a model type's checkpoint conversion list (stock, or as earlier bundles left it) for this bundle.
 ConversionEdit = Callable[[list[WeightTransform], "BundleOptions"], list[WeightTransform]]
 
@@ -63,6 +66,7 @@ class Bundle:
     patches: tuple[Patch, ...] = ()
     conversions: Mapping[str, ConversionEdit] = field(default_factory=dict)
     keep_unquantized: tuple[str, ...] = ()
+    installers: tuple[Installer, ...] = ()
     requirements: tuple[str, ...] = ()
     options_type: type[BundleOptions] = BundleOptions
 

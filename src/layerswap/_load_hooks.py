@@ -32,6 +32,7 @@ def install() -> None:
     _wrap(modeling_utils, "patch_output_recorders", _make_journaling_patch_output_recorders)
     _wrap(PreTrainedModel, "_finalize_model_loading", _make_guarded_finalize)
     _wrap(HfQuantizer, "get_modules_to_not_convert", _make_skip_aware_modules_to_not_convert)
+    _wrap(HfQuantizer, "preprocess_model", _make_checked_preprocess_model)
 
 
 def uninstall() -> None:
@@ -121,32 +122,46 @@ def _raise_on_missing_swapped_weights(model: nn.Module, load_config: Any, loadin
 
 
 def _warn_on_bundles_that_swapped_nothing(model: nn.Module) -> None:
+    """Warn when no enabled bundle swapped anything (the wrong family was loaded), or when a bundle made for this
+    model's type swapped nothing (its classes are not the ones this model uses)."""
     from ._registry import enabled_records
 
     swapped_classes = {type(m) for _, m in swapped_modules(model)}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for bundle, _, replacements in enabled_records():
-        if not replacements or swapped_classes & replacements:
-            continue
-        warnings.warn(
-            f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
-            f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
-            "model's family (`layerswap list`), or disable this one.",
-            LayerswapWarning,
-            stacklevel=4,
-        )
+    records = [(bundle, replacements) for bundle, _, replacements in enabled_records() if replacements]
+    idle = [bundle for bundle, replacements in records if not swapped_classes & replacements]
+    if not records or not idle:
+        return
+    nothing_swapped = len(idle) == len(records)
+    for bundle in idle:
+        if nothing_swapped or model_type in bundle.model_types:
+            warnings.warn(
+                f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
+                f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
+                "model's family (`layerswap list`), or disable this one.",
+                LayerswapWarning,
+                stacklevel=4,
+            )
 
 
 # --- quantizer hints --------------------------------------------------------------------------------------
 
 
-def _make_skip_aware_modules_to_not_convert(original: Any) -> Any:
-    def get_modules_to_not_convert(self: HfQuantizer, model: Any, *args: Any, **kwargs: Any) -> list[str]:
-        modules = original(self, model, *args, **kwargs)
-        _refuse_incompatible_quantizer(self, model)
-        return sorted(set(modules) | set(keep_unquantized_modules(model)))
+def _make_skip_aware_modules_to_not_convert(original: staticmethod) -> staticmethod:
+    function = original.__func__
 
-    return get_modules_to_not_convert
+    def get_modules_to_not_convert(model: Any, *args: Any, **kwargs: Any) -> list[str]:
+        return sorted(set(function(model, *args, **kwargs)) | set(keep_unquantized_modules(model)))
+
+    return staticmethod(get_modules_to_not_convert)
+
+
+def _make_checked_preprocess_model(original: Any) -> Any:
+    def preprocess_model(self: HfQuantizer, model: Any, *args: Any, **kwargs: Any) -> Any:
+        _refuse_incompatible_quantizer(self, model)
+        return original(self, model, *args, **kwargs)
+
+    return preprocess_model
 
 
 def keep_unquantized_modules(model: nn.Module) -> list[str]:

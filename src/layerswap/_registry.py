@@ -28,6 +28,7 @@ class _EnabledBundle:
     bundle: Bundle
     options: BundleOptions
     replacements: dict[str, type[nn.Module]]
+    restorers: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +45,9 @@ class _SavedConversion:
 
 
 _enabled: dict[str, _EnabledBundle] = {}
+# Bundles enabled by enable_bundle (they outlive any use_bundle block), and open use_bundle blocks per bundle.
+_explicit: set[str] = set()
+_scoped_uses: dict[str, int] = {}
 _patch_owners: dict[str, _PatchOwner] = {}
 _saved_conversions: dict[str, _SavedConversion] = {}
 # (adapter, original class, options) -> replacement: enabling twice gives the very same class.
@@ -92,6 +96,13 @@ def enable_bundle(name: str, **options: Any) -> Bundle:
     Enabling an enabled bundle again with the same options does nothing; with other options it raises
     BundleError (disable it first).
     """
+    with _LOCK:
+        bundle = _enable(name, options)
+        _explicit.add(name)
+    return bundle
+
+
+def _enable(name: str, options: dict[str, Any]) -> Bundle:
     bundle = get_bundle(name)
     resolved = bundle.make_options(options)
     with _LOCK:
@@ -114,9 +125,11 @@ def enable_bundle(name: str, **options: Any) -> Bundle:
                     monkey_patching.register_patch_mapping({class_name: replacement})
                     owner = _patch_owners[class_name] = _PatchOwner(replacement)
                 owner.bundles.append(name)
-            _enabled[name] = _EnabledBundle(bundle, resolved, replacements)
+            record = _enabled[name] = _EnabledBundle(bundle, resolved, replacements)
             for model_type in bundle.conversions:
                 _sync_conversions(model_type)
+            for install in bundle.installers:
+                record.restorers.append(install(resolved))
         except BaseException:
             _disable_locked(name, missing_ok=True)
             raise
@@ -143,27 +156,38 @@ def disable_all() -> None:
 
 @contextmanager
 def use_bundle(*names: str, **options: Any) -> Iterator[tuple[str, ...]]:
-    """Enable `names` for the block and disable them on exit, even when the block raises. Bundles that were
-    already enabled before the block stay enabled."""
-    newly_enabled = []
+    """Enable `names` for the block and disable them on exit, even when the block raises.
+
+    Scopes are counted per bundle, so overlapping blocks (in several threads, say) keep a bundle enabled until
+    the last one ends; a bundle enabled with enable_bundle before the block stays enabled after it.
+    """
+    entered: list[str] = []
     try:
         for name in names:
-            already = name in enabled_bundles()
-            enable_bundle(name, **options)
-            if not already:
-                newly_enabled.append(name)
+            with _LOCK:
+                _enable(name, options)
+                _scoped_uses[name] = _scoped_uses.get(name, 0) + 1
+            entered.append(name)
         yield names
     finally:
-        for name in reversed(newly_enabled):
-            disable_bundle(name)
+        with _LOCK:
+            for name in reversed(entered):
+                _scoped_uses[name] -= 1
+                if _scoped_uses[name] == 0:
+                    del _scoped_uses[name]
+                    if name in _enabled and name not in _explicit:
+                        _disable_locked(name)
 
 
 def _disable_locked(name: str, missing_ok: bool = False) -> None:
     """Undo `name`; with `missing_ok`, also the partial work of an enable that failed half-way."""
+    _explicit.discard(name)
     record = _enabled.pop(name, None)
     if record is None and not missing_ok:
         raise BundleError(f"Bundle {name!r} is not enabled.")
     bundle = record.bundle if record else get_bundle(name)
+    for restore in reversed(record.restorers if record else []):
+        restore()
     for class_name in list(_patch_owners):
         owner = _patch_owners[class_name]
         if name in owner.bundles:

@@ -71,6 +71,18 @@ class LinearExperts(nn.ModuleList):
         self.hidden_dim = hidden_size
         self.intermediate_dim = intermediate_size
 
+    # While transformers builds a model (inside `apply_patches`) the family's `_init_weights` sees this class under
+    # the stock name and initialises `gate_up_proj` / `down_proj`. Each expert's nn.Linear gets the same
+    # normal(0, initializer_range) init from the nn.Linear branch, so these shape-only meta stand-ins make the
+    # stock call a harmless no-op. No other transformers code reads these attributes.
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim, device="meta")
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim, device="meta")
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -92,9 +104,6 @@ class LinearExperts(nn.ModuleList):
                 output.index_add_(0, tokens, expert_output.to(output.dtype))
             start += count
         return output
-
-    def extra_repr(self) -> str:
-        return f"replaces={self._layerswap_original.__name__}, num_experts={self.num_experts}"
 
 
 def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs: dict) -> nn.Module:

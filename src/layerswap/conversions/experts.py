@@ -27,6 +27,7 @@ from transformers.core_model_loading import (
 from .._bundle import BundleOptions
 from ..adapters.experts import ExpertNames
 
+_AT_NAME_START = r"(?<![^.])"
 _PER_EXPERT_SOURCE = re.compile(r"^(?P<prefix>.*experts)\.\*\.(?P<name>\w+)\.weight$")
 
 
@@ -58,7 +59,8 @@ def experts_layout(stock: list[WeightTransform] | None) -> ExpertsLayout:
     prefix = "experts"
     for merge in merges:
         matches = [_PER_EXPERT_SOURCE.match(s) for s in merge._original_source_patterns]
-        prefix = matches[0]["prefix"]
+        # Stock patterns are regexes (kimi_linear writes `\\.experts`); targets are literal key text.
+        prefix = matches[0]["prefix"].replace("\\.", ".")
         if merge._original_target_patterns[0].endswith("gate_up_proj"):
             names["gate"], names["up"] = (m["name"] for m in matches)
         else:
@@ -66,7 +68,7 @@ def experts_layout(stock: list[WeightTransform] | None) -> ExpertsLayout:
     return ExpertsLayout(ExpertNames(**names), prefix, per_expert_checkpoints=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stock_experts_layout(model_type: str) -> ExpertsLayout:
     from .._registry import stock_conversions
 
@@ -94,8 +96,8 @@ class SplitFusedExperts(ConversionOps):
         parts = tensor.chunk(len(self.targets), dim=1)
         # clone: each expert gets its own storage (views of one fused tensor cannot be saved by safetensors).
         return {
-            target.replace("*", str(expert)): part[expert].clone()
-            for target, part in zip(self.targets, parts)
+            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): part[expert].clone()
+            for target, part in zip(self.targets, parts, strict=True)
             for expert in range(tensor.shape[0])
         }
 
@@ -170,13 +172,15 @@ def linear_experts_conversions(stock: list[WeightTransform], options: BundleOpti
             fused_ops[target.rsplit(".", 1)[-1]] = (list(transform._original_source_patterns), transform.operations)
             continue
         kept.append(transform)
+    prefix = layout.experts_prefix.lstrip(".")
     for fused, projections in (("gate_up_proj", (names.gate, names.up)), ("down_proj", (names.down,))):
-        targets = tuple(f"{layout.experts_prefix}.*.{name}.weight" for name in projections)
-        sources, pre_ops = fused_ops.get(fused, ([f"{layout.experts_prefix}.{fused}"], []))
+        # Anchored at a name boundary: `experts.down_proj` must not match `shared_experts.down_proj`.
+        targets = tuple(f"{_AT_NAME_START}{prefix}.*.{name}.weight" for name in projections)
+        sources, pre_ops = fused_ops.get(fused, ([f"{_AT_NAME_START}{re.escape(prefix)}\\.{fused}"], []))
         kept.append(
             FusedToLinearExperts(
                 source_patterns=sources,
-                target_patterns=targets[0].replace("*", "0"),
+                target_patterns=f"{prefix}.0.{projections[0]}.weight",
                 operations=[*pre_ops, SplitFusedExperts(targets)],
                 per_expert_targets=targets,
                 saves_fused=not layout.per_expert_checkpoints,

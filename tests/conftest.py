@@ -1,0 +1,28 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers.utils import logging
+
+import layerswap
+from global_state import comparable, describe_difference, global_state, leaked_recorders
+from layerswap import _registry
+
+logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True)
+def _leaves_global_state_as_found():
+    """Every test must leave transformers' global state as it found it; a leak fails the test that leaked."""
+    before = global_state()
+    yield
+    leaked = layerswap.enabled_bundles()
+    _registry.disable_all()
+    after = global_state()
+    assert not leaked, f"test left bundles enabled: {leaked}"
+    assert not leaked_recorders(after), f"layerswap classes left in output recorders: {leaked_recorders(after)}"
+    after = comparable(before, after)
+    assert before == after, f"test changed global state: {describe_difference(before, after)}"

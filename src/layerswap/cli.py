@@ -1,0 +1,99 @@
+"""`layerswap list | inspect | demo | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from . import list_bundles
+
+    bundles = list_bundles()
+    if args.markdown:
+        print("| bundle | purpose | model types | what it does |")
+        print("| --- | --- | --- | --- |")
+        for b in bundles:
+            print(f"| `{b.name}` | {b.purpose} | {', '.join(b.model_types)} | {b.description} |")
+        return 0
+    width = max(len(b.name) for b in bundles)
+    for b in bundles:
+        print(f"{b.name:<{width}}  {b.purpose:<10} {b.description.split('.')[0]}")
+    print(f"\n{len(bundles)} bundles. `layerswap list --markdown` prints the catalog for docs.")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from . import report, use_bundle
+    from .catalog import CATALOG
+    from .shapes import meta_model, resolve_config
+
+    config = resolve_config(args.config)
+    bundles = args.bundle or [n for n, b in CATALOG.items() if b.purpose == "quant" and config.model_type in b.model_types]
+    stock = report(meta_model(config))
+    with use_bundle(*bundles):
+        swapped = report(meta_model(config))
+    print(f"model type {config.model_type}; bundles: {', '.join(bundles) or 'none for this model type'}\n")
+    print(f"{'':28}{'stock':>16}{'with bundles':>16}")
+    rows = [
+        ("parameters", stock.total_params, swapped.total_params),
+        ("in quantizable nn.Linear", stock.linear_params, swapped.linear_params),
+        ("expert params in nn.Linear", stock.expert_linear_params, swapped.expert_linear_params),
+    ]
+    for label, a, b in rows:
+        print(f"{label:<28}{a:>16,}{b:>16,}")
+    print(f"{'quantizable share':<28}{stock.linear_share:>16.1%}{swapped.linear_share:>16.1%}")
+    print("\nswapped: " + (", ".join(f"{k} x{v}" for k, v in sorted(swapped.swapped.items())) or "nothing"))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    return run_demo(model_type=args.model_type)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
+    if not script.exists():
+        print("benchmarks/run.py is not in this installation; run it from a source checkout.", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="layerswap", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="the bundle catalog")
+    listing.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    listing.set_defaults(run=_cmd_list)
+    inspect = commands.add_parser("inspect", help="what bundles would swap in a model, built on the meta device")
+    inspect.add_argument("config", help="a config.json, a directory with one, or a model name in model_shapes.json")
+    inspect.add_argument("--bundle", action="append", help="bundle to apply (default: the model type's -quant)")
+    inspect.set_defaults(run=_cmd_inspect)
+    demo = commands.add_parser("demo", help="tiny end-to-end demo: stock vs -quant under bitsandbytes 4-bit")
+    demo.add_argument("--model-type", default="qwen2_moe")
+    demo.set_defaults(run=_cmd_demo)
+    bench = commands.add_parser("bench", help="run benchmarks/run.py (latency and memory, CSV + PNG)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_cmd_bench)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except Exception as error:
+        from ._errors import BundleError
+
+        if isinstance(error, BundleError):
+            print(f"layerswap: {error}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

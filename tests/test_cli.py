@@ -1,0 +1,52 @@
+"""The command line: list, inspect on published configs, demo, and the generated catalog doc."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from layerswap import cli
+from layerswap.shapes import model_shapes_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_list_prints_every_bundle(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2_moe-quant" in out and "mixtral-quant" in out
+
+
+def test_docs_bundles_md_is_generated_from_the_registry(capsys):
+    assert cli.main(["list", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    doc = (ROOT / "docs" / "bundles.md").read_text()
+    assert table.strip() in doc, "docs/bundles.md is stale: regenerate it with `layerswap list --markdown`"
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"])
+def test_inspect_published_configs_on_meta(model, capsys):
+    assert cli.main(["inspect", model]) == 0
+    out = capsys.readouterr().out
+    share_line = next(line for line in out.splitlines() if line.startswith("quantizable share"))
+    stock, swapped = (float(v.rstrip("%")) for v in share_line.split()[-2:])
+    assert stock < 20 and swapped > 95
+
+
+def test_inspect_a_local_config(tmp_path, capsys):
+    values = dict(json.loads(model_shapes_path().read_text())["allenai/OLMoE-1B-7B-0924"])
+    values["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    assert cli.main(["inspect", str(tmp_path), "--bundle", "olmoe-quant"]) == 0
+    assert "OlmoeExperts x2" in capsys.readouterr().out
+
+
+def test_inspect_unknown_model_is_a_clear_error(capsys):
+    assert cli.main(["inspect", "no/such-model"]) == 2
+    assert "model_shapes.json" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end(capsys):
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2_moe-quant + nf4" in out and "100%" in out and "bit-identical" in out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ._bundle import Bundle, Patch
 from .adapters.experts import linear_experts_adapter
 from .conversions.experts import linear_experts_conversions
+from .routing import _replay_bundle
 
 # Routers and 1-wide gates (e.g. qwen2_moe's shared_expert_gate, an nn.Linear(H, 1)) stay in full precision by
 # default, as llm-compressor does: they are tiny, routing is sensitive to them, and bitsandbytes' CPU kernels
@@ -98,6 +99,7 @@ def _quant_bundle(family: Family) -> Bundle | None:
 # One builder per purpose; a builder returns None for a family it does not serve.
 BUNDLE_BUILDERS: dict[str, Callable[[Family], Bundle | None]] = {
     "quant": _quant_bundle,
+    "replay": _replay_bundle,
 }
 
 

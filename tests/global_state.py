@@ -49,6 +49,7 @@ def global_state() -> dict[str, Any]:
         "user_registered": set(conversion_mapping.USER_REGISTERED_MAPPINGS),
         "output_recorders": _output_recorders(),
         "patch_output_recorders": modeling_utils.patch_output_recorders,
+        "apply_patches": modeling_utils.apply_patches,
         "finalize": PreTrainedModel.__dict__["_finalize_model_loading"],
         "modules_to_not_convert": HfQuantizer.__dict__["get_modules_to_not_convert"],
         "preprocess_model": HfQuantizer.__dict__["preprocess_model"],

@@ -213,3 +213,15 @@ def test_list_and_get_bundles():
     bundle = layerswap.get_bundle("qwen2_moe-quant")
     assert bundle.families == ("qwen2_moe",) and bundle.purpose == "quant" and bundle.description
     assert _registry.enabled_bundles() == ()
+
+
+def test_an_error_while_building_a_model_leaves_no_class_swapped():
+    # transformers' apply_patches does not restore classes when the model constructor raises; layerswap does.
+    import transformers.models.qwen2_moe.modeling_qwen2_moe as modeling
+    from tiny_models import tiny_config
+
+    stock_class = modeling.Qwen2MoeExperts
+    config = tiny_config("qwen2_moe", moe_intermediate_size=-1)  # makes the experts' constructor raise
+    with layerswap.use_bundle("qwen2_moe-quant"), pytest.raises(RuntimeError):
+        AutoModelForCausalLM.from_config(config)
+    assert modeling.Qwen2MoeExperts is stock_class

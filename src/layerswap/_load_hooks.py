@@ -9,11 +9,15 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
-from transformers import modeling_utils
+from transformers import modeling_utils, monkey_patching
 from transformers.modeling_utils import PreTrainedModel
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.output_capturing import OutputRecorder
@@ -29,6 +33,7 @@ _recorder_journal: dict[int, tuple[dict, dict, list[tuple[OutputRecorder, Any]]]
 def install() -> None:
     if _installed:
         return
+    _wrap(modeling_utils, "apply_patches", _make_exception_safe_apply_patches)
     _wrap(modeling_utils, "patch_output_recorders", _make_journaling_patch_output_recorders)
     _wrap(PreTrainedModel, "_finalize_model_loading", _make_guarded_finalize)
     _wrap(HfQuantizer, "get_modules_to_not_convert", _make_skip_aware_modules_to_not_convert)
@@ -50,6 +55,49 @@ def _wrap(owner: Any, attribute: str, make_wrapper: Any) -> None:
     original = owner.__dict__[attribute] if isinstance(owner, type) else getattr(owner, attribute)
     _installed.append((owner, attribute, original))
     setattr(owner, attribute, make_wrapper(original))
+
+
+# --- class swapping ---------------------------------------------------------------------------------------
+
+
+# Model construction swaps classes in transformers' module globals, which two threads building at once would
+# interleave (one thread's restore un-patching the other's model). Construction is serialised; weights still
+# load in parallel.
+_BUILD_LOCK = threading.RLock()
+
+
+def _make_exception_safe_apply_patches(original: Any) -> Any:
+    """transformers' apply_patches restores the swapped classes only when the block ends normally: an exception
+    while a model is built (a bad config, say) would leave replacement classes in transformers' modules for
+    good. This wrapper restores them on every exit, and serialises construction across threads."""
+
+    @contextmanager
+    def apply_patches() -> Iterator[None]:
+        with _BUILD_LOCK, _restoring_original_classes(original):
+            yield
+
+    return apply_patches
+
+
+@contextmanager
+def _restoring_original_classes(original: Any) -> Iterator[None]:
+    names = set(monkey_patching.get_patch_mapping())
+    bindings = [
+        (module, name, vars(module)[name])
+        for module in list(sys.modules.values())
+        if getattr(module, "__name__", "").startswith("transformers") and not isinstance(module, type)
+        for name in names & set(getattr(module, "__dict__", {}))
+    ]
+    context = original()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        try:
+            context.__exit__(None, None, None)  # runs transformers' own restore, also after an error
+        finally:
+            for module, name, value in bindings:
+                setattr(module, name, value)
 
 
 # --- output recorders -------------------------------------------------------------------------------------

@@ -68,8 +68,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("granitemoe_swa", "GraniteMoeSWAExperts"),
     Family("hy_v3", "HYV3Experts"),
     Family("kolibri1", "Kolibri1Experts"),
-    Family("lara_mini", "LaraMiniExperts"),
-    Family("deepseek_v4", "DeepseekV4Experts"),
     # Dense families: attention swaps only.
     Family("llama", attention="LlamaAttention"),
     Family("mistral", attention="MistralAttention"),

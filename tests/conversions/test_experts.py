@@ -55,7 +55,8 @@ def test_loads_both_layouts_with_same_outputs_and_saves_back_stock(stock_checkpo
         model.save_pretrained(tmp_path)
 
     torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
-    assert len(routers) == len(expected_routers) > 0
+    # Rows without a router name (granitemoe_swa, hy_v3, kolibri1) are compared on logits alone.
+    assert len(routers) == len(expected_routers) and (len(routers) > 0 or family.router is None)
     for got, want in zip(routers, expected_routers, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -73,8 +74,11 @@ def test_loads_both_layouts_with_same_outputs_and_saves_back_stock(stock_checkpo
 def test_checkpoint_without_expert_weights_is_an_error_naming_the_keys(stock_checkpoint, tmp_path):
     family, stock, _, _ = stock_checkpoint
     stock.save_pretrained(tmp_path)
-    # Per-expert checkpoints lose expert 1; granitemoe's stock checkpoints are fused (input_linear = gate_up).
-    dropped = drop_keys(tmp_path, lambda key: ".experts.1." in key or "input_linear" in key)
+    # Per-expert checkpoints lose expert 1; fused stock checkpoints (granitemoe's input_linear, granitemoe_swa's
+    # gate_up_proj) lose the fused gate/up tensor.
+    dropped = drop_keys(
+        tmp_path, lambda key: ".experts.1." in key or "input_linear" in key or key.endswith("experts.gate_up_proj")
+    )
     assert dropped
     with layerswap.use_bundle(f"{family.model_type}-quant"), pytest.raises(MissingExpertWeightsError) as error:
         AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -3,6 +3,7 @@
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
 import transformers.models
@@ -42,7 +43,7 @@ def _group_a_classes():
     for info in pkgutil.iter_modules(transformers.models.__path__):
         path = f"{transformers.models.__path__[0]}/{info.name}/modeling_{info.name}.py"
         try:
-            source = open(path).read()
+            source = Path(path).read_text()
         except OSError:
             continue
         lines = source.splitlines()

@@ -218,6 +218,7 @@ def test_list_and_get_bundles():
 def test_an_error_while_building_a_model_leaves_no_class_swapped():
     # transformers' apply_patches does not restore classes when the model constructor raises; layerswap does.
     import transformers.models.qwen2_moe.modeling_qwen2_moe as modeling
+
     from tiny_models import tiny_config
 
     stock_class = modeling.Qwen2MoeExperts

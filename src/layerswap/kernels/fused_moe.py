@@ -1,0 +1,234 @@
+"""Public fused-MoE experts entry point: backend choice, input checks, tile configs, and the torch custom op.
+
+    out = fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")
+
+The Triton kernels live in `_triton_fused_moe` and are imported only when the Triton backend runs, so this
+module (and the torch backend) work without triton installed. The call goes through the custom op
+`layerswap::fused_moe`, which `torch.compile(fullgraph=True)` treats as one opaque node: the torch backend's
+per-expert loop depends on routing values and could not be traced otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .._errors import BundleError
+from .reference import ACTIVATIONS, Activation, fused_moe_reference
+
+Backend = Literal["triton", "torch"]
+
+# Integer codes the Triton kernels switch on (a constexpr), one per name in reference.ACTIVATIONS.
+_ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
+assert set(_ACTIVATION_CODES) == set(ACTIVATIONS)
+
+
+class KernelInputError(BundleError, ValueError):
+    """Tensors, activation or backend that the fused-MoE kernels cannot take."""
+
+
+def activation_code(activation: str) -> int:
+    return _ACTIVATION_CODES[activation]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of both grouped GEMMs. `block_n` is the width of the gate tile (and of the up tile beside it)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8  # row blocks per launch group (L2 reuse of gathered rows); irrelevant at decode
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            # tl.dot needs every dimension >= 16, and tl.arange a power of two.
+            if value < 16 or value & (value - 1):
+                raise KernelInputError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
+        if self.group_m < 1:
+            raise KernelInputError(f"TileConfig.group_m must be >= 1, got {self.group_m}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise KernelInputError(f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise KernelInputError(f"TileConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Safe defaults per token-count bucket (not tuned on a GPU yet; see _TUNED_CONFIGS). Decode is bound by
+# reading the weights: BLOCK_M = 16 wastes the least padding (one block per active expert) and a narrow
+# BLOCK_N spreads the few active experts over more programs, to keep every SM loading. Prefill is
+# compute-bound: a larger BLOCK_M reuses each weight tile across more rows. BLOCK_N stays at 64 because GEMM1
+# holds two fp32 accumulators (gate and up). Shared memory per program, (BM*BK + 2*BK*BN) * bytes * stages,
+# stays under ~82 KB for 16-bit inputs and, with the launcher's fp32 cap of 2 stages, for fp32 too, so the
+# defaults fit GPUs with 100 KB of shared memory per SM (sm_86/sm_89) as well as A100/H100.
+_DEFAULT_CONFIGS: dict[str, TileConfig] = {
+    "le16": TileConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4),
+    "le128": TileConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=4),
+    "le1024": TileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+    "gt1024": TileConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
+}
+
+# Tuned entries, keyed by (num_experts, intermediate size, torch.cuda.get_device_name(), bucket).
+# Empty on purpose: no entry is added without a measurement on that GPU (benchmarks/gpu_check.sh).
+_TUNED_CONFIGS: dict[tuple[int, int, str, str], TileConfig] = {}
+
+
+def token_bucket(num_tokens: int) -> str:
+    for limit in (16, 128, 1024):
+        if num_tokens <= limit:
+            return f"le{limit}"
+    return "gt1024"
+
+
+def get_tile_config(num_experts: int, intermediate: int, device_name: str, num_tokens: int) -> TileConfig:
+    bucket = token_bucket(num_tokens)
+    return _TUNED_CONFIGS.get((num_experts, intermediate, device_name, bucket), _DEFAULT_CONFIGS[bucket])
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _resolve_backend(backend: Backend | None, hidden_states: torch.Tensor) -> Backend:
+    if backend is None:
+        return "triton" if hidden_states.is_cuda and triton_available() else "torch"
+    if backend == "torch":
+        return backend
+    if backend != "triton":
+        raise KernelInputError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    if not triton_available():
+        raise KernelInputError("backend='triton' needs the triton package: pip install 'layerswap[cuda]'")
+    if not hidden_states.is_cuda and not _triton_interpreting():
+        raise KernelInputError(
+            f"backend='triton' needs CUDA tensors, got {hidden_states.device}; use backend='torch' on CPU "
+            "(or set TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's interpreter)"
+        )
+    return backend
+
+
+def _check_inputs(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> None:
+    """Shape and dtype checks only: nothing here reads tensor values, so nothing syncs with the device."""
+    if hidden_states.dim() != 2:
+        raise KernelInputError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    num_tokens, hidden_size = hidden_states.shape
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != hidden_size or gate_up_proj.shape[1] % 2:
+        raise KernelInputError(
+            f"gate_up_proj must be [E, 2I, H={hidden_size}] (gate rows, then up rows), "
+            f"got {tuple(gate_up_proj.shape)}"
+        )
+    num_experts, two_intermediate, _ = gate_up_proj.shape
+    expected_down = (num_experts, hidden_size, two_intermediate // 2)
+    if tuple(down_proj.shape) != expected_down:
+        raise KernelInputError(f"down_proj must be [E, H, I] = {expected_down}, got {tuple(down_proj.shape)}")
+    if down_proj.dtype != gate_up_proj.dtype:
+        raise KernelInputError(f"gate_up_proj is {gate_up_proj.dtype} but down_proj is {down_proj.dtype}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != num_tokens:
+        raise KernelInputError(f"top_k_index must be [T={num_tokens}, K], got {tuple(top_k_index.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
+        raise KernelInputError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise KernelInputError(
+            f"top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
+            f"got {tuple(top_k_weights.shape)}"
+        )
+
+
+@torch.library.custom_op("layerswap::fused_moe", mutates_args=())
+def _fused_moe_op(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    activation: str,
+    backend: str,
+) -> torch.Tensor:
+    if backend == "triton":
+        from ._triton_fused_moe import fused_moe_triton
+
+        return fused_moe_triton(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation)
+    return fused_moe_reference(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
+    )
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_fake(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    activation: str,
+    backend: str,
+) -> torch.Tensor:
+    return hidden_states.new_empty(hidden_states.shape)  # both backends return a fresh contiguous [T, H]
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    activation: Activation = "silu",
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """MoE experts forward: `out[t] = sum_k w[t,k] * down_e(act(gate_e(x_t)) * up_e(x_t))`, e = top_k_index[t,k].
+
+    Args:
+        hidden_states: `[T, H]`, any strides.
+        gate_up_proj: `[E, 2I, H]` (gate rows first), read in place.
+        down_proj: `[E, H, I]`, read in place.
+        top_k_index: `[T, K]` integer expert ids; ids outside [0, E) contribute nothing.
+        top_k_weights: `[T, K]` routing weights, applied in fp32.
+        activation: "silu", "gelu", "gelu_pytorch_tanh", "relu", or an elementwise callable (torch backend only).
+        backend: None picks "triton" for CUDA tensors when triton is installed (and the activation is named),
+            else "torch".
+
+    Returns:
+        `[T, H]` in `hidden_states.dtype`. When autograd needs gradients the differentiable plain-PyTorch path
+        runs instead (the custom op has no backward).
+    """
+    _check_inputs(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    named = isinstance(activation, str)
+    # A custom callable cannot be fused into the kernels, so the automatic choice falls back to torch for it.
+    chosen = _resolve_backend(backend, hidden_states) if named or backend is not None else "torch"
+    if named and activation not in _ACTIVATION_CODES:
+        raise KernelInputError(
+            f"unknown activation {activation!r}: expected one of {sorted(_ACTIVATION_CODES)} or a callable"
+        )
+    if not named and chosen == "triton":
+        raise KernelInputError(
+            "the Triton kernels fuse named activations only; pass one of "
+            f"{sorted(_ACTIVATION_CODES)} or use backend='torch' for a custom callable"
+        )
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, gate_up_proj, down_proj, top_k_weights)
+    )
+    if needs_grad or not named:
+        return fused_moe_reference(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
+        )
+    return torch.ops.layerswap.fused_moe(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation, chosen
+    )

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from transformers import conversion_mapping, modeling_utils, monkey_patching
+from transformers.distributed.mixin import DistributedMixin
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.modeling_utils import PreTrainedModel
 from transformers.quantizers.base import HfQuantizer
@@ -54,6 +55,8 @@ def global_state() -> dict[str, Any]:
         "modules_to_not_convert": HfQuantizer.__dict__["get_modules_to_not_convert"],
         "preprocess_model": HfQuantizer.__dict__["preprocess_model"],
         "experts_functions": dict(ALL_EXPERTS_FUNCTIONS._global_mapping),
+        "experts_functions_local": dict(ALL_EXPERTS_FUNCTIONS._local_mapping),
+        "resolve_parallel_plans": DistributedMixin.__dict__.get("_resolve_parallel_plans"),
     }
 
 

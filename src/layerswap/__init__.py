@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from . import _compat  # noqa: F401  (checks the installed transformers first)
 from ._bundle import Bundle, BundleOptions
-from ._errors import BundleError, LayerswapWarning, RoutingMismatchError
+from ._errors import (
+    BundleError,
+    FusedQKVParallelismError,
+    IncompatibleQuantizerError,
+    LayerswapWarning,
+    MissingExpertWeightsError,
+    RoutingMismatchError,
+)
 from ._registry import (
     disable_bundle,
     enable_bundle,
@@ -17,6 +24,7 @@ from ._registry import (
     list_bundles,
     use_bundle,
 )
+from .adapters.fused_experts import register_experts_backend, unregister_experts_backend
 from .calibration import calibrate_all_experts
 from .report import Report, report
 from .routing import RecordedRouting, record_routing, replay_routing, routing_from_vllm
@@ -27,7 +35,10 @@ __all__ = [
     "Bundle",
     "BundleError",
     "BundleOptions",
+    "FusedQKVParallelismError",
+    "IncompatibleQuantizerError",
     "LayerswapWarning",
+    "MissingExpertWeightsError",
     "RecordedRouting",
     "Report",
     "RoutingMismatchError",
@@ -39,8 +50,10 @@ __all__ = [
     "get_bundle",
     "list_bundles",
     "record_routing",
+    "register_experts_backend",
     "replay_routing",
     "report",
     "routing_from_vllm",
+    "unregister_experts_backend",
     "use_bundle",
 ]

@@ -23,11 +23,16 @@ class UnsupportedTransformersError(BundleError):
 
 
 class MissingExpertWeightsError(BundleError):
-    """A checkpoint lacks weights for modules layerswap swapped in; loading them random would corrupt the model."""
+    """A checkpoint lacks weights of modules layerswap swapped in (experts, fused attention); loading them
+    randomly initialised would silently corrupt the model."""
 
 
 class IncompatibleQuantizerError(BundleError):
     """A quantizer that cannot work with a bundle's module layout."""
+
+
+class FusedQKVParallelismError(BundleError):
+    """Tensor parallelism was requested for a model whose attention layerswap fused."""
 
 
 class RoutingMismatchError(BundleError):

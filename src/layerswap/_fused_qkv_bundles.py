@@ -17,7 +17,7 @@ from torch import nn
 
 from ._bundle import Bundle, BundleOptions, Patch
 from ._compat import TRANSFORMERS_VERSION
-from ._errors import BundleError, UnsupportedTransformersError
+from ._errors import FusedQKVParallelismError, UnsupportedTransformersError
 from .adapters.attention import FusedQKVAttention, fused_qkv_adapter
 from .conversions.qkv import fused_qkv_conversions
 
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
 
 # Families in the table whose attention does not fit FusedQKVAttention, with the reason.
 EXCLUDED: dict[str, str] = {}
-
-
-class FusedQKVParallelismError(BundleError):
-    """Tensor parallelism was requested for a model whose attention layerswap fused."""
 
 
 def fused_qkv_bundle(family: Family) -> Bundle | None:

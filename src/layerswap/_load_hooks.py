@@ -126,11 +126,29 @@ def restore_output_recorders() -> None:
 
 
 def _make_journaling_patch_output_recorders(original: Any) -> Any:
+    """transformers calls patch_output_recorders right after building a model (from_config and from_pretrained):
+    the one point where layerswap sees every freshly built model."""
+
     def patch_output_recorders(model: nn.Module) -> None:
         _journal_recorders(model)
+        _remember_conversions(model)
         original(model)
 
     return patch_output_recorders
+
+
+def _remember_conversions(model: nn.Module) -> None:
+    """Give a swapped model the conversions in force when it was built, so save_pretrained writes the stock
+    layout even after the bundle is disabled. (from_pretrained later replaces this with the transforms its
+    checkpoint used; a from_config model would otherwise look the registry up at save time.)"""
+    if not swapped_modules(model) or getattr(model, "_weight_conversions", None) is not None:
+        return
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    # As transformers' own revert does for models not built by from_pretrained.
+    model._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
 
 
 # --- load guard -------------------------------------------------------------------------------------------
@@ -161,11 +179,16 @@ def _raise_on_missing_swapped_weights(model: nn.Module, load_config: Any, loadin
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
     source = getattr(load_config, "pretrained_model_name_or_path", "the checkpoint")
+    if any(".experts." in key for key in missing):
+        layouts = (
+            "per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'"
+        )
+    else:
+        layouts = "separate 'self_attn.q_proj/k_proj/v_proj' or fused 'self_attn.qkv_proj' weights"
     raise MissingExpertWeightsError(
         f"{source} lacks {len(missing)} weight(s) of modules that layerswap swapped in: {shown}. Loading "
         "would leave them randomly initialised. Check that the checkpoint is complete and of this model "
-        "family (per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'); "
-        "to start from random weights on purpose, use from_config instead of from_pretrained."
+        f"family ({layouts}); to start from random weights on purpose, use from_config instead of from_pretrained."
     )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._bundle import Bundle, Patch
+from ._fast_bundles import fast_bundle
 from ._fused_qkv_bundles import fused_qkv_bundle
 from .adapters.experts import linear_experts_adapter
 from .conversions.experts import linear_experts_conversions
@@ -99,6 +100,7 @@ def _quant_bundle(family: Family) -> Bundle | None:
 BUNDLE_BUILDERS: dict[str, Callable[[Family], Bundle | None]] = {
     "quant": _quant_bundle,
     "fused_qkv": fused_qkv_bundle,
+    "fast": fast_bundle,
     "replay": _replay_bundle,
 }
 

@@ -109,3 +109,15 @@ def test_from_config_model_saves_stock_layout(model_type, tmp_path):
     ours, theirs = read_checkpoint(tmp_path / "ours"), read_checkpoint(tmp_path / "stock")
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("bundle", ["llama-fused_qkv", "mixtral-quant"])
+def test_a_model_built_under_a_bundle_saves_stock_layout_after_the_bundle_is_disabled(bundle, tmp_path):
+    model_type = bundle.split("-")[0]
+    with layerswap.use_bundle(bundle):
+        model = tiny_model(model_type)
+    expected = model(tiny_input_ids()).logits
+    model.save_pretrained(tmp_path)  # no bundle enabled any more
+    stock, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    torch.testing.assert_close(stock(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)

@@ -13,11 +13,13 @@ and it reuses the stock forward rather than re-implementing it:
   (`cache=` and the deprecated `past_key_values=`), sliding windows, sinks and the eager / sdpa / flash dispatch
   through ALL_ATTENTION_FUNCTIONS are the stock code, and so is the return contract.
 
-Up to `fused_gemm_max_rows` tokens (decode, short prompts) the projection is one GEMM, split into views of its
-last dim that the stock `.view(..., -1, head_dim).transpose(1, 2)` takes without copying: one weight read and one
-kernel instead of three, the bf16 CPU decode gain. Past it (prefill) a GEMM is compute-bound, fusing gains little,
-and oneDNN picked slower kernels for some fused sizes (Qwen3-30B-A3B bf16, 512 tokens: 1.02-1.08x of three), so
-a plain nn.Linear runs three GEMMs on row blocks of the fused weight: views again, and the stock kernels.
+On CPU the projection is one GEMM only where that measured faster than stock's three (one thread, weights
+streamed from memory, Llama-3.2-1B and Qwen3-30B-A3B shapes): in bf16 up to 256 tokens (batch * length), 0.90-0.96
+of stock's time up to 64 tokens, while at 512 one GEMM ran 1.02-1.08x for the Qwen3 shape; in fp32 up to 2 tokens
+(0.95-0.98), as at 4-8 tokens one GEMM ran 1.01-1.07x (MKL changes kernels there). The one GEMM is split into
+views of its last dim that the stock `.view(..., -1, head_dim).transpose(1, 2)` takes without copying. Otherwise a
+plain nn.Linear runs three GEMMs on row blocks of the fused weight (views, no copies): the stock kernels at stock
+speed. Other devices, and quantized or hooked `qkv_proj` modules, always take the one GEMM.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from .._errors import UnsupportedTransformersError
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 _INTERCEPTED = "_layerswap_intercepted"  # the stock q/k/v nn.Linear, collected while the stock __init__ runs
 _CURRENT = "_layerswap_current_qkv"  # (hidden_states, [q, k, v]) while the stock forward runs
+# Tokens up to which one fused GEMM beat three on CPU (see the module docstring), by dtype; bf16 / fp16 otherwise.
+_CPU_FUSED_GEMM_MAX_ROWS = {torch.float32: 2}
+_CPU_FUSED_GEMM_MAX_ROWS_HALF = 256
 
 
 class FusedQKVAttention(nn.Module):
@@ -49,7 +54,8 @@ class FusedQKVAttention(nn.Module):
     _layerswap_original: type[nn.Module]
     _layerswap_strict = True  # a checkpoint lacking qkv weights is an error, never a random init
     qkv_sizes: tuple[int, int, int]
-    fused_gemm_max_rows = 256  # tokens (batch * length) up to which q, k and v come from one GEMM
+    # Tokens (batch * length) up to which q, k and v come from one GEMM on CPU; None: _CPU_FUSED_GEMM_MAX_ROWS.
+    fused_gemm_max_rows: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         intercepted: dict[str, nn.Module] = {}
@@ -98,7 +104,7 @@ class FusedQKVAttention(nn.Module):
     def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of `hidden_states`, each `[..., width]` as the stock projections return them."""
         projection = self.qkv_proj
-        if hidden_states.numel() > self.fused_gemm_max_rows * projection.in_features and _is_plain_linear(projection):
+        if not self._one_gemm(hidden_states, projection):
             biases = projection.bias.split(self.qkv_sizes) if projection.bias is not None else (None,) * 3
             weights = projection.weight.split(self.qkv_sizes)
             return tuple(F.linear(hidden_states, w, b) for w, b in zip(weights, biases, strict=True))
@@ -110,6 +116,14 @@ class FusedQKVAttention(nn.Module):
             # would invalidate another one saved for backward. Only autograd needs separate tensors.
             parts = tuple(part.clone() for part in parts)
         return parts
+
+    def _one_gemm(self, hidden_states: torch.Tensor, projection: nn.Module) -> bool:
+        if hidden_states.device.type != "cpu" or not _is_plain_linear(projection):
+            return True
+        limit = self.fused_gemm_max_rows
+        if limit is None:
+            limit = _CPU_FUSED_GEMM_MAX_ROWS.get(hidden_states.dtype, _CPU_FUSED_GEMM_MAX_ROWS_HALF)
+        return hidden_states.numel() <= limit * projection.in_features
 
     def extra_repr(self) -> str:
         return f"replaces={self._layerswap_original.__name__}, qkv_sizes={self.qkv_sizes}"

@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from checkpoints import assert_state_dicts_identical
-from families import MOE_FAMILIES
-from tiny_models import tiny_input_ids, tiny_model
 from transformers import AutoModelForCausalLM
 
 import layerswap
+from checkpoints import assert_state_dicts_identical
+from families import MOE_FAMILIES
 from layerswap._errors import BundleConflictError
 from layerswap.adapters.attention import FusedQKVAttention
 from layerswap.adapters.fused_experts import FusedExpertsForwardMixin
+from tiny_models import tiny_input_ids, tiny_model
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.model_type)

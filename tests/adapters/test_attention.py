@@ -21,9 +21,9 @@ from transformers.distributed.mixin import DistributedMixin
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import layerswap
+from layerswap import FusedQKVParallelismError
 from layerswap._bundle import BundleOptions
 from layerswap._errors import UnsupportedTransformersError
-from layerswap import FusedQKVParallelismError
 from layerswap.adapters.attention import FusedQKVAttention, fused_qkv_adapter
 from layerswap.catalog import CATALOG, FAMILIES
 from tiny_models import tiny_input_ids, tiny_model

@@ -9,32 +9,14 @@ from pathlib import Path
 
 import torch
 
-# Hidden 64 and expert width 64/128: bitsandbytes' CPU 4-bit kernels need out_features % 32 == 0, in >= 64.
-_TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 8,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
-
 
 def _tiny_checkpoint(model_type: str, directory: Path) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    defaults = AutoConfig.for_model(model_type)
-    config = AutoConfig.for_model(model_type, **{k: v for k, v in _TINY.items() if hasattr(defaults, k)})
+    from ._tiny import tiny_config
+
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=256)).eval()
     model.save_pretrained(directory)
     return model
 

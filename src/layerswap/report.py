@@ -75,9 +75,14 @@ def is_quantized_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if weight is None or not isinstance(module, nn.Linear):
         return False
-    return type(weight).__name__ in _QUANTIZED_WEIGHT_NAMES or type(getattr(weight, "data", weight)).__name__ in (
-        _QUANTIZED_WEIGHT_NAMES
-    )
+    return _is_quantized_tensor(weight) or _is_quantized_tensor(getattr(weight, "data", weight))
+
+
+def _is_quantized_tensor(tensor: object) -> bool:
+    # torchao keeps nn.Linear and swaps the weight for a tensor subclass (Int8Tensor, Int4Tensor, Float8Tensor...),
+    # all derived from torchao.utils.TorchAOBaseTensor; matched by name so torchao need not be importable.
+    names = {cls.__name__ for cls in type(tensor).__mro__}
+    return bool(names & (_QUANTIZED_WEIGHT_NAMES | {"TorchAOBaseTensor"}))
 
 
 def _is_linear(module: nn.Module) -> bool:

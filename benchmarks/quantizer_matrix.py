@@ -1,0 +1,95 @@
+"""Measure the quantizer compatibility matrix and write docs/quantizers.md.
+
+    python benchmarks/quantizer_matrix.py                        # the whole matrix -> docs/quantizers.md
+    python benchmarks/quantizer_matrix.py --schemes bnb-nf4 --out /tmp/q.md
+
+Each row loads a tiny random checkpoint (built locally, never downloaded) through a transformers quantization
+config, once stock and once with the family's `-quant` bundle, with the same helper as
+tests/quantizers/test_matrix.py (tests/quantizers/matrix.py). tests/quantizers/test_matrix.py fails when the
+committed doc no longer matches a fresh run. Takes about two minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+from quantizers import matrix  # noqa: E402
+
+INTRO = """\
+# Quantizers and MoE experts
+
+{header}
+
+{versions}
+
+Stock transformers v5 keeps each MoE layer's experts in two fused 3D parameters (`gate_up_proj`, `down_proj`),
+and the quantizers below only convert `nn.Linear` modules: a stock load quantizes attention and dense layers and
+leaves every expert, most of an MoE model's weights, in full precision. A family's `-quant` bundle loads the
+same checkpoint as one `nn.Linear` per expert projection, so the quantizer converts them all; routers and 1-wide
+gates stay in full precision (`keep_unquantized`).
+
+How each row is measured: a tiny random checkpoint of the family (2 layers, 8 experts, hidden size 64; see
+tests/tiny_models.py) is saved in the stock layout and loaded with
+`AutoModelForCausalLM.from_pretrained(path, quantization_config=...)`, once stock and once inside
+`layerswap.use_bundle("<family>-quant")`.
+
+- **experts quantized**: `layerswap.report(model).expert_quantized_share`, the share of expert parameters in
+  quantized linear layers. Where report.py and the quantizer's own classes disagree, the notes say so.
+- **forward**: the bundle load's forward on a 2 x 7 token batch.
+- **max rel. logit error**: max |logits - unquantized logits| / max |unquantized logits|, bundle load; the stock
+  load's beside it. In these tiny random models the attention projections dominate this error (both loads
+  quantize them), so it mainly shows that nothing broke.
+- **max rel. expert-output error**: the same ratio for the experts alone, each layer's experts fed the
+  unquantized model's inputs, max over layers: the error the quantized experts add. Stock loads score 0 here.
+
+Errors of tiny random models are larger than those of trained ones; compare rows, not absolute values.
+bitsandbytes skips deepseek_v3's attention (`llm_int8_skip_modules`): its CPU kernels reject the tiny MLA
+projections. `finegrained_fp8` is not in the table: it replaces every module named `*.experts` with its own FP8
+experts (it quantizes stock experts itself), so layerswap refuses it with a `-quant` bundle
+(`IncompatibleQuantizerError`).
+
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "quantizers.md")
+    parser.add_argument("--schemes", nargs="*", choices=list(matrix.SCHEMES_BY_KEY), default=None,
+                        help="only these schemes (default: all)")
+    args = parser.parse_args(argv)
+
+    transformers_logging.set_verbosity_error()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # "inputs will be cast to float16", per call
+    warnings.filterwarnings("ignore")
+
+    schemes = tuple(s for s in matrix.SCHEMES if args.schemes is None or s.key in args.schemes)
+    keys = matrix.matrix_keys(schemes)
+    started = time.perf_counter()
+    for index, key in enumerate(keys, 1):
+        for bundle in (False, True):
+            matrix.measure(*key, bundle)
+        print(f"[{index}/{len(keys)}] {key[0]} {key[1]}  {time.perf_counter() - started:.0f}s", flush=True)
+
+    text = INTRO.format(header=matrix.HEADER, versions=matrix.versions_line())
+    text += "\n".join(matrix.table_lines(keys)) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out} ({len(keys)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -83,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="run benchmarks/run.py (latency and memory, CSV + PNG)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_cmd_bench)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # argparse.REMAINDER does not take an option (`--suite`) as its first word: hand the rest over whole.
+        return _cmd_bench(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     try:
         return args.run(args)

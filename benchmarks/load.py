@@ -1,0 +1,262 @@
+"""from_pretrained wall time and peak RSS, stock vs the `-quant` bundle, each load in a fresh subprocess.
+
+    python benchmarks/load.py                      # ~325 MiB bf16 qwen2_moe, per-expert and fused, bf16 + nf4, 3 loads
+    python benchmarks/load.py --schemes bf16 --layouts per-expert --loads 1
+
+Checkpoints (random weights, never downloaded) are made on the fly in a temporary directory, in the per-expert
+layout stock `save_pretrained` writes (and the published checkpoints use) and in the fused 3D layout. Each load
+runs alone in a new Python process; the child resets its peak RSS after its imports (VmHWM via clear_refs: the
+`ru_maxrss` of getrusage, RUSAGE_CHILDREN included, survives execve and would report the parent's peak) and
+reports, above its RSS just before `from_pretrained`:
+  load_peak_rss_mib    peak RSS while loading and then reading every weight once (zero-copy weights are views of
+                       the mmapped checkpoint and become resident only when read, as in a first forward pass);
+  resident_after_mib   RSS after that; anon_after_mib its part that is not checkpoint pages (memory the process
+                       owns; the kernel can drop clean file pages);
+plus wall_s of `from_pretrained` and `get_memory_footprint()`. A bundle that held the experts twice would show
+about twice stock's anonymous memory. Stock and bundle loads alternate, so a busy machine slows both alike: read
+the ratios (metric `<name>_ratio`, provider `qwen2_moe-quant/stock`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = ("bf16", "nf4", "int8")
+LAYOUTS = ("per-expert", "fused")
+
+
+@dataclass(frozen=True)
+class CheckpointShape:
+    """A qwen2_moe small enough to make in seconds, big enough that its experts dominate the process's memory."""
+
+    hidden: int = 1024
+    moe_intermediate: int = 512
+    experts: int = 32
+    layers: int = 3
+    vocab: int = 1024
+
+    @property
+    def label(self) -> str:
+        return f"qwen2_moe h{self.hidden} i{self.moe_intermediate} e{self.experts} l{self.layers}"
+
+
+def make_checkpoint(shape: CheckpointShape, directory: Path, layout: str = "per-expert") -> int:
+    """Save a random bf16 qwen2_moe checkpoint of `shape` to `directory`; returns its size in bytes.
+
+    "per-expert": as stock `save_pretrained` writes it (`experts.{i}.gate_proj.weight`, like the published
+    checkpoints); "fused": the stock in-memory layout (`experts.gate_up_proj` [E, 2I, H]), as some tools save."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen2_moe", hidden_size=shape.hidden, intermediate_size=2 * shape.moe_intermediate,
+        moe_intermediate_size=shape.moe_intermediate, shared_expert_intermediate_size=shape.moe_intermediate,
+        num_experts=shape.experts, num_experts_per_tok=4, num_hidden_layers=shape.layers, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=shape.vocab, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if layout == "fused":
+        model.config.save_pretrained(directory)
+        tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    elif layout == "per-expert":
+        model.save_pretrained(directory)
+    else:
+        raise ValueError(f"layout must be 'per-expert' or 'fused', got {layout!r}")
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss_kib() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux >= 4.0) and return that, in KiB.
+
+    Neither `getrusage(RUSAGE_SELF)` nor `RUSAGE_CHILDREN` will do: `ru_maxrss` survives `execve`, so a child
+    starts with its parent's peak (here, the parent that just built the checkpoint). VmHWM belongs to the new
+    address space; clearing it also drops the transient peak of the imports."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not permitted: the imports' peak stays in the baseline
+        return _proc_status_kib("VmHWM")
+    return _proc_status_kib("VmRSS")
+
+
+def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
+    """One load, in this fresh process; prints one JSON line."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    sys.path.insert(0, str(REPO_ROOT / "src"))
+    import layerswap
+
+    quantization = {"nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "int8": {"load_in_8bit": True}}
+    kwargs = {"dtype": torch.bfloat16, "device_map": {"": device}}
+    if scheme in quantization:
+        kwargs["quantization_config"] = BitsAndBytesConfig(**quantization[scheme])
+    before_kib, anon_before_kib = _reset_peak_rss_kib(), _proc_status_kib("RssAnon")
+    bundles = [bundle] if bundle else []
+    started = time.perf_counter()
+    with layerswap.use_bundle(*bundles):
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    wall_s = time.perf_counter() - started
+    # Weights that need no conversion stay views of the mmapped checkpoint, resident only once read: read one
+    # element per 4 KiB page of each, as a first forward pass would, so both loads count what they hold.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            flat = parameter.data.reshape(-1)
+            flat[:: max(1, 4096 // flat.element_size())].float().sum()
+    peak_kib, resident_kib, anon_kib = (_proc_status_kib(f) for f in ("VmHWM", "VmRSS", "RssAnon"))
+    result = {
+        "wall_s": wall_s,
+        "peak_rss_mib": peak_kib / 1024,
+        "load_peak_rss_mib": (peak_kib - before_kib) / 1024,
+        "resident_after_mib": (resident_kib - before_kib) / 1024,
+        # Of that, memory the process owns (not pages of the mmapped checkpoint, which the kernel can drop).
+        "anon_after_mib": (anon_kib - anon_before_kib) / 1024,
+        "footprint_mib": model.get_memory_footprint() / 2**20,
+    }
+    if device.startswith("cuda"):
+        result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print("LOAD_RESULT " + json.dumps(result))
+
+
+def _child_command(directory: Path, bundle: str, scheme: str, device: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", str(directory), bundle or "-", scheme, device]
+
+
+def _child_env() -> dict[str, str]:
+    return dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+
+
+def _parse(stdout: str, stderr: str, returncode: int, what: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("LOAD_RESULT ")]
+    if returncode != 0 or not lines:
+        raise RuntimeError(f"load ({what}) failed with exit code {returncode}:\n{stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("LOAD_RESULT "))
+
+
+def load_once(directory: Path, bundle: str, scheme: str, device: str = "cpu", timeout_s: float = 600) -> dict:
+    """One from_pretrained in a fresh subprocess: wall_s, peak_rss_mib, load_peak_rss_mib, resident_after_mib,
+    footprint_mib (and cuda_peak_mib on CUDA)."""
+    done = subprocess.run(_child_command(directory, bundle, scheme, device), capture_output=True, text=True,
+                          env=_child_env(), timeout=timeout_s, check=False)
+    return _parse(done.stdout, done.stderr, done.returncode, f"{directory}, bundle {bundle or 'none'}, {scheme}")
+
+
+def load_concurrently(jobs: Sequence[tuple[Path, str, str]], timeout_s: float = 300) -> list[dict]:
+    """Several (directory, bundle, scheme) loads on CPU, each in its own process, all at once: for memory
+    figures only (each process's peak RSS is its own; wall times would be skewed by the others)."""
+    processes = [
+        subprocess.Popen(_child_command(d, b, s, "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_child_env())
+        for d, b, s in jobs
+    ]
+    results = []
+    for process, (d, b, s) in zip(processes, jobs, strict=True):
+        stdout, stderr = process.communicate(timeout=timeout_s)
+        results.append(_parse(stdout, stderr, process.returncode, f"{d}, bundle {b or 'none'}, {s}"))
+    return results
+
+
+def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), cuts[1], cuts[7]
+
+
+def sweep(
+    shape: CheckpointShape, schemes: Sequence[str], loads: int, device: str = "cpu", progress: bool = True,
+    layouts: Sequence[str] = ("per-expert",),
+) -> list[dict]:
+    """Rows (kernel from_pretrained, provider stock / qwen2_moe-quant / quant/stock, one metric each)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        def tqdm(iterable, **_):
+            return iterable
+    bundle = "qwen2_moe-quant"
+    rows = []
+    for layout in layouts:
+        with tempfile.TemporaryDirectory(prefix="layerswap-load-") as tmp:
+            directory = Path(tmp)
+            size = make_checkpoint(shape, directory, layout)
+            label = f"{shape.label} {layout} ({size / 2**20:.0f} MiB)"
+            jobs = [(scheme, provider) for scheme in schemes for _ in range(loads) for provider in ("", bundle)]
+            results: dict[tuple[str, str], list[dict]] = {}
+            for scheme, provider in tqdm(jobs, desc=f"from_pretrained loads, {layout}", file=sys.stderr,
+                                         disable=not progress):
+                results.setdefault((scheme, provider), []).append(load_once(directory, provider, scheme, device))
+            rows += _rows(label, schemes, results, bundle)
+    return rows
+
+
+def _rows(label: str, schemes: Sequence[str], results: dict, bundle: str) -> list[dict]:
+    rows = []
+    for scheme in schemes:
+        stock, ours = results[(scheme, "")], results[(scheme, bundle)]
+        for metric in stock[0]:
+            for provider, samples in (("stock", stock), (bundle, ours)):
+                rows.append(dict(kernel="from_pretrained", provider=provider, shape=label, dtype=scheme,
+                                 tokens="-", metric=metric, stats=_quantiles([s[metric] for s in samples])))
+            ratios = [b[metric] / a[metric] for a, b in zip(stock, ours, strict=True) if a[metric] > 0]
+            if ratios:
+                rows.append(dict(kernel="from_pretrained", provider=f"{bundle}/stock", shape=label, dtype=scheme,
+                                 tokens="-", metric=f"{metric}_ratio", stats=_quantiles(ratios)))
+    return rows
+
+
+def print_table(rows: Sequence[dict]) -> None:
+    table: dict[tuple[str, str, str], dict[str, float]] = {}
+    for r in rows:
+        table.setdefault((r["shape"], r["dtype"], r["metric"]), {})[r["provider"]] = r["stats"][0]
+    print("# from_pretrained, medians over fresh processes; bundle = qwen2_moe-quant")
+    print(f"{'checkpoint':46} {'scheme':6} {'metric':18} {'stock':>9} {'bundle':>9} {'bundle/stock':>12}")
+    for (shape, scheme, metric), by in table.items():
+        if metric.endswith("_ratio"):
+            continue
+        ratio = table.get((shape, scheme, f"{metric}_ratio"), {}).get("qwen2_moe-quant/stock")
+        print(f"{shape:46} {scheme:6} {metric:18} {by['stock']:>9.2f} {by['qwen2_moe-quant']:>9.2f} "
+              f"{(f'{ratio:.3f}' if ratio is not None else '-'):>12}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        directory, bundle, scheme, device = argv[1:5]
+        _child(directory, "" if bundle == "-" else bundle, scheme, device)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schemes", nargs="+", default=["bf16", "nf4"], choices=SCHEMES)
+    parser.add_argument("--loads", type=int, default=3, help="fresh-process loads per provider and scheme")
+    parser.add_argument("--experts", type=int, default=CheckpointShape.experts)
+    parser.add_argument("--hidden", type=int, default=CheckpointShape.hidden)
+    parser.add_argument("--layers", type=int, default=CheckpointShape.layers)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    shape = CheckpointShape(hidden=args.hidden, experts=args.experts, layers=args.layers)
+    print_table(sweep(shape, args.schemes, args.loads, args.device, layouts=args.layouts))
+
+
+if __name__ == "__main__":
+    main()

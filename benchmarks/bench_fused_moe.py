@@ -10,7 +10,8 @@ stock eager, grouped_mm, batched_mm, and layerswap (`fused_experts_forward` -> `
 chosen automatically: Triton on CUDA, the PyTorch path on CPU). In the same run
 it measures the machine's memory bandwidth and plain-GEMM throughput, and reports each time as a ratio to the
 best stock backend and as a share of the roofline max(active-expert bytes / bandwidth, FLOPs / GEMM rate).
-Routing is uniform random top-k, rotated over several draws so one call's experts are not cached for the next.
+Routing is uniform random top-k, a different draw for consecutive calls, and a 512 MiB buffer is written
+before each timed call, so every call reads its experts' weights from memory (as in a real forward pass).
 CSV columns: kernel, provider, shape, dtype, T, metric, median, p20, p80, device.
 """
 
@@ -21,6 +22,7 @@ import csv
 import importlib
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -43,7 +45,7 @@ SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/
 STOCK = ("eager", "grouped_mm", "batched_mm")
 PROVIDERS = (*STOCK, "layerswap")
 CSV_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
-ROUTING_DRAWS = 4
+ROUTING_DRAWS = 7  # more than the providers, so that consecutive calls never share a routing
 
 
 @dataclass(frozen=True)
@@ -150,22 +152,49 @@ def _time_one_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(
-    calls: dict[str, Callable[[int], object]], device: torch.device, reps: int, budget_s: float
+    calls: dict[str, Callable[[int], object]], device: torch.device, reps: int, budget_s: float,
+    between: Callable[[], object] | None = None, max_reps: int = 200,
 ) -> dict[str, list[float]]:
-    """Per-call ms for each provider, taking turns call by call, so that load from other processes on a
-    shared machine hits every provider alike and the ratios stay meaningful. `fn(i)` runs call i. At least
-    3 rounds; fewer than `reps` once `budget_s` is spent."""
+    """Per-call ms for each provider, taking turns call by call (in an order shuffled every round), so
+    that load from other processes on a shared machine hits every provider alike and the ratios stay
+    meaningful. `fn(i)` runs the i-th call of the whole run, so consecutive calls (of different providers)
+    can use different routings; `between` (e.g. a cache flush) runs untimed before each call. At least
+    `reps` rounds, then more (up to `max_reps`) while `budget_s` lasts: short calls get more samples."""
     for fn in calls.values():
         fn(0)  # warm-up: first-call allocations, Triton compilation
     _sync(device)
     times: dict[str, list[float]] = {name: [] for name in calls}
     started = time.perf_counter()
-    for rep in range(reps):
-        for name, fn in calls.items():
-            times[name].append(_time_one_ms(lambda fn=fn, rep=rep: fn(rep), device))
-        if rep >= 2 and time.perf_counter() - started > budget_s:
+    call_index = 0
+    names = list(calls)
+    order = random.Random(0)
+    for rep in range(max(reps, max_reps)):
+        # Shuffled each round: no provider always runs right after the same other one (e.g. batched_mm, which
+        # allocates and frees gigabytes).
+        order.shuffle(names)
+        for name in names:
+            fn = calls[name]
+            if between is not None:
+                between()
+                _sync(device)
+            times[name].append(_time_one_ms(lambda fn=fn, i=call_index: fn(i), device))
+            call_index += 1
+        if rep + 1 >= reps and time.perf_counter() - started > budget_s:
             break
     return times
+
+
+class CacheFlush:
+    """Overwrites a buffer larger than the last-level cache, so each timed call reads its experts' weights
+    from memory, as in a real forward pass where the other layers' weights evict them. Without it, a
+    provider timed right after another one on the same routing finds that routing's experts still cached."""
+
+    def __init__(self, device: torch.device, mib: int) -> None:
+        self.buffer = torch.empty(mib * 2**20 // 4, device=device) if mib > 0 else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.fill_(1.0)
 
 
 def summarize(values: Sequence[float]) -> tuple[float, float, float]:
@@ -188,7 +217,7 @@ class MachineLimits:
 
 
 def _median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
-    return summarize(time_interleaved({"x": lambda _: fn()}, device, reps, 5.0)["x"])[0]
+    return summarize(time_interleaved({"x": lambda _: fn()}, device, reps, 2.0, max_reps=reps)["x"])[0]
 
 
 def measure_machine(dtypes: Sequence[torch.dtype], device: torch.device) -> MachineLimits:
@@ -217,6 +246,7 @@ def row(kernel, provider, shape, dtype, tokens, metric, stats, device) -> dict[s
 def case_rows(
     experts: nn.Module, shape: ExpertsShape, dtype: torch.dtype, num_tokens: int, providers: Sequence[str],
     limits: MachineLimits, device: torch.device, reps: int, budget_s: float, gather_limit_gib: float,
+    flush: CacheFlush,
 ) -> list[dict[str, object]]:
     """Latency, ratio to the best stock backend and roofline share of every provider at one (shape, dtype, T)."""
     draws = [make_inputs(shape, num_tokens, dtype, device, seed) for seed in range(ROUTING_DRAWS)]
@@ -224,8 +254,9 @@ def case_rows(
     roofline = limits.roofline_ms(shape, dtype, num_tokens, active)
     calls = {}
     for provider in providers:
-        # batched_mm gathers a [T*K, 2I, H] copy of the weights: past the limit it would run out of memory.
-        gathered = num_tokens * shape.top_k * shape.expert_bytes(dtype) * 2 / 3
+        # batched_mm gathers a copy of both weights per pair ([T*K, 2I, H] and [T*K, H, I], alive together):
+        # past the limit it takes seconds per call and its allocations disturb the providers timed after it.
+        gathered = num_tokens * shape.top_k * shape.expert_bytes(dtype)
         if provider == "batched_mm" and gathered > gather_limit_gib * 2**30:
             print(f"# skip batched_mm {shape.name} {dtype} T={num_tokens}: it would gather "
                   f"{gathered / 2**30:.1f} GiB of weights", file=sys.stderr)
@@ -233,7 +264,8 @@ def case_rows(
         fn = provider_fn(provider)
         calls[provider] = lambda i, fn=fn: fn(experts, *draws[i % ROUTING_DRAWS])
     with torch.inference_mode():
-        stats = {p: summarize(t) for p, t in time_interleaved(calls, device, reps, budget_s).items()}
+        timed = time_interleaved(calls, device, reps, budget_s, between=flush)
+    stats = {p: summarize(t) for p, t in timed.items()}
 
     where = (shape.name, dtype, num_tokens)
     rows = [row("moe_experts", "roofline", *where, "ms", (roofline,) * 3, limits.device_name)]
@@ -251,8 +283,10 @@ def case_rows(
 def sweep(
     shapes: Sequence[ExpertsShape], dtypes: Sequence[torch.dtype], tokens: Sequence[int],
     providers: Sequence[str], device: torch.device, reps: int, budget_s: float, gather_limit_gib: float,
+    flush_mib: int,
 ) -> list[dict[str, object]]:
     limits = measure_machine(dtypes, device)
+    flush = CacheFlush(device, flush_mib)
     print(f"# {limits.device_name}: {limits.bandwidth_gbs:.1f} GB/s; "
           + ", ".join(f"{d}: {g:.0f} GFLOP/s" for d, g in limits.gemm_gflops.items()))
     rows = [row("machine", "memory_bandwidth", "-", "-", "-", "GB/s", (limits.bandwidth_gbs,) * 3,
@@ -271,7 +305,7 @@ def sweep(
             experts = None  # free the previous 1-2.5 GB before building the next
             experts, built_for = build_experts(shape, dtype, device), (shape, dtype)
         rows += case_rows(experts, shape, dtype, num_tokens, providers, limits, device, reps, budget_s,
-                          gather_limit_gib)
+                          gather_limit_gib, flush)
     return rows
 
 
@@ -297,10 +331,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 512])
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=12, help="timed calls per provider (fewer past --budget)")
-    parser.add_argument("--budget", type=float, default=4.0, help="seconds of timed calls per provider and T")
-    parser.add_argument("--batched-mm-limit-gib", type=float, default=2.0,
+    parser.add_argument("--reps", type=int, default=5, help="at least this many timed calls per provider")
+    parser.add_argument("--budget", type=float, default=6.0,
+                        help="then more calls (up to 200) while this many seconds last, per shape, dtype and T")
+    parser.add_argument("--batched-mm-limit-gib", type=float, default=1.0,
                         help="skip batched_mm where its gathered weight copy would exceed this")
+    parser.add_argument("--flush-mib", type=int, default=512,
+                        help="cache-flush buffer written before each timed call (0: no flush)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-out" / "fused_moe.csv")
@@ -310,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, name) for name in args.dtypes]
     rows = sweep(load_shapes(args.shapes), dtypes, args.tokens, args.providers, torch.device(args.device),
-                 args.reps, args.budget, args.batched_mm_limit_gib)
+                 args.reps, args.budget, args.batched_mm_limit_gib, args.flush_mib)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)

@@ -24,7 +24,7 @@ timeout 240 python -m pytest tests/kernels -q -p no:cacheprovider -rs
 
 echo "# 2/2 latency sweep"
 timeout 300 python benchmarks/bench_fused_moe.py --device cuda --dtypes bfloat16 --tokens 1 16 512 4096 \
-    --providers grouped_mm batched_mm layerswap --reps 100 --budget 3 --batched-mm-limit-gib 40 \
+    --providers grouped_mm batched_mm layerswap --reps 50 --budget 3 --batched-mm-limit-gib 40 \
     --out "$out/gpu_fused_moe.csv"
 
 python - "$out/gpu_fused_moe.csv" <<'PY'
@@ -34,9 +34,9 @@ bandwidth = next(r["median"] for r in rows if r["provider"] == "memory_bandwidth
 print(f"# decode (T=1) share of the memory-bandwidth roofline ({float(bandwidth):.0f} GB/s measured):")
 for r in rows:
     if r["T"] == "1" and r["metric"] == "roofline_share":
-        print(f"  {r['shape']:18} {r['provider']:11} {100 * float(r['median']):5.1f}%")
+        print(f"  {r['shape']:18} {r['dtype']:9} {r['provider']:11} {100 * float(r['median']):5.1f}%")
 print("# layerswap / best stock (below 1 is faster):")
 for r in rows:
     if r["provider"] == "layerswap" and r["metric"] == "ratio_vs_best_stock":
-        print(f"  {r['shape']:18} T={r['T']:>5} {float(r['median']):.2f}x")
+        print(f"  {r['shape']:18} {r['dtype']:9} T={r['T']:>5} {float(r['median']):.2f}x")
 PY

@@ -222,6 +222,18 @@ def test_torch_compile_fullgraph_on_cpu() -> None:
     torch.testing.assert_close(compiled, eager)
 
 
+# The registered op itself (eager calls bypass it; torch.compile uses it): schema, fake kernel and AOT
+# dispatch checked by torch.library.opcheck, for both backends.
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_custom_op_passes_opcheck(backend: str) -> None:
+    gate_up, down = make_weights(5, 32, 16, torch.float32)
+    index, weights = make_routing(9, 5, 2, torch.float32)
+    x = torch.randn(9, 32, device=DEVICE)
+    torch.library.opcheck(torch.ops.layerswap.fused_moe.default, (x, gate_up, down, index, weights, "silu", backend))
+    torch.testing.assert_close(torch.ops.layerswap.fused_moe(x, gate_up, down, index, weights, "silu", backend),
+                               fused_moe(x, gate_up, down, index, weights, backend=backend))
+
+
 def test_backend_choice_and_errors() -> None:
     gate_up, down = make_weights(4, 32, 16, torch.float32)
     index, weights = make_routing(3, 4, 2, torch.float32)

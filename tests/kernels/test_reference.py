@@ -56,16 +56,26 @@ def test_matches_stock_fp32(num_tokens: int, implementation: str) -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-# Forces each orientation and engine at a row count / weight size where another would be chosen, so all
-# three are checked against stock: x @ W.T (MKL), W @ x.T (MKL), W @ x.T (oneDNN, used for large weights only).
+# Forces each engine at a row count / weight size where another would be chosen, so that all of them are
+# checked against stock: x @ W.T per expert (MKL), torch's grouped GEMM (the 1-3 row regime), W @ x.T (MKL),
+# and W @ x.T (oneDNN, used for large weights only).
 @pytest.mark.parametrize(
-    "min_rows, mkldnn_min_numel",
-    [(10**9, 0), (1, 10**12), pytest.param(1, 0, marks=pytest.mark.skipif(
-        not reference._HAS_MKLDNN, reason="this torch build has no oneDNN linear"))],
-    ids=["row_major", "weight_major_mkl", "weight_major_onednn"],
+    "min_rows, grouped, mkldnn_min_numel",
+    [
+        (10**9, False, 0),
+        pytest.param(10**9, True, 0, marks=pytest.mark.skipif(
+            not reference._CPU_GROUPED_MM, reason="this torch has no CPU grouped GEMM")),
+        (1, False, 10**12),
+        pytest.param(1, False, 0, marks=pytest.mark.skipif(
+            not reference._HAS_MKLDNN, reason="this torch build has no oneDNN linear")),
+    ],
+    ids=["row_major_mkl", "grouped_gemm", "weight_major_mkl", "weight_major_onednn"],
 )
-def test_each_engine_matches_stock(monkeypatch: pytest.MonkeyPatch, min_rows: int, mkldnn_min_numel: int) -> None:
+def test_each_engine_matches_stock(
+    monkeypatch: pytest.MonkeyPatch, min_rows: int, grouped: bool, mkldnn_min_numel: int
+) -> None:
     monkeypatch.setattr(reference, "_FP32_WEIGHT_MAJOR_MIN_ROWS", min_rows)
+    monkeypatch.setattr(reference, "_CPU_GROUPED_MM", grouped)
     monkeypatch.setattr(reference, "_MKLDNN_MIN_WEIGHT_NUMEL", mkldnn_min_numel)
     experts = make_experts()
     x = torch.randn(37, HIDDEN)
@@ -73,6 +83,20 @@ def test_each_engine_matches_stock(monkeypatch: pytest.MonkeyPatch, min_rows: in
     with torch.no_grad():
         torch.testing.assert_close(ours(experts, x, index, weights), stock(experts, "eager", x, index, weights),
                                    atol=1e-5, rtol=1e-5)
+
+
+# Some experts with 1-3 rows (grouped GEMM on gathered rows) and others with more (per-expert loop) in one
+# call, plus an expert-parallel sentinel tail: the two paths must write disjoint rows and leave none unset.
+def test_mixed_regimes_in_one_call() -> None:
+    experts = make_experts()
+    index = torch.tensor([[0, 1]] * 9 + [[2, 3], [4, 8]])  # experts 0, 1: 9 rows; 2, 3, 4: 1 row; 8: sentinel
+    weights = torch.rand(11, 2)
+    x = torch.randn(11, HIDDEN)
+    with torch.no_grad():
+        got = ours(experts, x, index, weights)
+        valid = index < 8
+        expected = stock(experts, "eager", x, index.clamp(max=7), weights * valid)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 # bf16: the reference multiplies the routing weights and sums over top_k in fp32, stock in bf16, so they

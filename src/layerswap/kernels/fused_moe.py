@@ -3,9 +3,10 @@
     out = fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")
 
 The Triton kernels live in `_triton_fused_moe` and are imported only when the Triton backend runs, so this
-module (and the torch backend) work without triton installed. The call goes through the custom op
-`layerswap::fused_moe`, which `torch.compile(fullgraph=True)` treats as one opaque node: the torch backend's
-per-expert loop depends on routing values and could not be traced otherwise.
+module (and the torch backend) work without triton installed. Under torch.compile the call goes through the
+custom op `layerswap::fused_moe`, which `torch.compile(fullgraph=True)` treats as one opaque node (the torch
+backend's per-expert loop depends on routing values and could not be traced otherwise); eager calls run the
+same implementation directly.
 """
 
 from __future__ import annotations
@@ -151,8 +152,7 @@ def _check_inputs(
         )
 
 
-@torch.library.custom_op("layerswap::fused_moe", mutates_args=())
-def _fused_moe_op(
+def _fused_moe_impl(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -168,6 +168,9 @@ def _fused_moe_op(
     return fused_moe_reference(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
     )
+
+
+_fused_moe_op = torch.library.custom_op("layerswap::fused_moe", _fused_moe_impl, mutates_args=())
 
 
 @_fused_moe_op.register_fake
@@ -229,6 +232,7 @@ def fused_moe(
         return fused_moe_reference(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
         )
-    return torch.ops.layerswap.fused_moe(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation, chosen
-    )
+    # Eager calls skip the custom op's Python dispatch (tens of microseconds, ~1% of a CPU decode step);
+    # under torch.compile the op is what keeps the data-dependent implementation out of the graph.
+    implementation = torch.ops.layerswap.fused_moe if torch.compiler.is_compiling() else _fused_moe_impl
+    return implementation(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation, chosen)

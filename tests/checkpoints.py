@@ -31,3 +31,19 @@ def assert_state_dicts_identical(expected: torch.nn.Module, actual: torch.nn.Mod
     assert set(a) == set(b), f"keys differ: {sorted(set(a) ^ set(b))[:6]}"
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"tensors differ: {different[:6]}"
+
+
+def checkpoint_factory(tmp_path_factory, overrides=lambda model_type: {}):
+    """`get(model_type)`: a tiny stock checkpoint of that family, saved once per factory and reused."""
+    from tiny_models import tiny_model
+
+    saved: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in saved:
+            path = tmp_path_factory.mktemp(model_type)
+            tiny_model(model_type, **overrides(model_type)).save_pretrained(path)
+            saved[model_type] = path
+        return saved[model_type]
+
+    return get

@@ -21,6 +21,7 @@ from transformers.distributed.mixin import DistributedMixin
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import layerswap
+from checkpoints import checkpoint_factory
 from layerswap import FusedQKVParallelismError
 from layerswap._bundle import BundleOptions
 from layerswap._errors import UnsupportedTransformersError
@@ -46,19 +47,9 @@ def fused_qkv_overrides(model_type: str) -> dict:
     return {**overrides, **_SLIDING.get(model_type, {})}
 
 
-_CHECKPOINTS: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    def get(model_type: str) -> Path:
-        if model_type not in _CHECKPOINTS:
-            path = tmp_path_factory.mktemp(model_type)
-            tiny_model(model_type, **fused_qkv_overrides(model_type)).save_pretrained(path)
-            _CHECKPOINTS[model_type] = path
-        return _CHECKPOINTS[model_type]
-
-    return get
+    return checkpoint_factory(tmp_path_factory, fused_qkv_overrides)
 
 
 def _supports_sdpa(model_type: str) -> bool:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter
 
 import layerswap
-from checkpoints import drop_keys, read_checkpoint
+from checkpoints import checkpoint_factory, drop_keys, read_checkpoint
 from layerswap._errors import MissingExpertWeightsError
 from layerswap.adapters.attention import FusedQKVAttention
 from layerswap.catalog import CATALOG, FAMILIES
@@ -37,19 +37,9 @@ def _overrides(model_type: str) -> dict:
     return {switch: True for switch in ("attention_bias", "qkv_bias") if hasattr(defaults, switch)}
 
 
-_CHECKPOINTS: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    def get(model_type: str) -> Path:
-        if model_type not in _CHECKPOINTS:
-            path = tmp_path_factory.mktemp(model_type)
-            tiny_model(model_type, **_overrides(model_type)).save_pretrained(path)
-            _CHECKPOINTS[model_type] = path
-        return _CHECKPOINTS[model_type]
-
-    return get
+    return checkpoint_factory(tmp_path_factory, _overrides)
 
 
 def _load_with(path: Path, *bundles: str, **kwargs):

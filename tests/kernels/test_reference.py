@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from transformers import Qwen2MoeConfig
@@ -203,3 +208,33 @@ def test_activations_in_another_dtype_than_weights() -> None:
         expected = ours(experts, x.bfloat16(), index, weights)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected.float(), atol=1e-2, rtol=1e-2)
+
+
+# layerswap.kernels must import, and its torch backend run, where triton is not installed (CPU-only
+# installs): triton is hidden in a fresh interpreter, as importlib and `import` would see a missing package.
+def test_kernels_work_without_triton() -> None:
+    script = textwrap.dedent("""
+        import importlib.abc, importlib.util, sys
+        real_find_spec = importlib.util.find_spec
+        importlib.util.find_spec = lambda n, *a, **k: None if n.split(".")[0] == "triton" else real_find_spec(n, *a, **k)
+        class NoTriton(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] == "triton":
+                    raise ModuleNotFoundError(name)
+        sys.meta_path.insert(0, NoTriton())
+        import torch
+        from layerswap.kernels import KernelInputError, fused_moe
+        args = (torch.randn(3, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16), torch.randint(0, 4, (3, 2)),
+                torch.rand(3, 2))
+        assert fused_moe(*args).shape == (3, 32)
+        try:
+            fused_moe(*args, backend="triton")
+        except KernelInputError as error:
+            assert "needs the triton package" in str(error), error
+        else:
+            raise AssertionError("backend='triton' without triton must raise")
+        assert "triton" not in sys.modules
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

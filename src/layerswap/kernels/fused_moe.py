@@ -95,7 +95,10 @@ def get_tile_config(num_experts: int, intermediate: int, device_name: str, num_t
 
 @functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or half-removed install counts as missing
+        return False
 
 
 def _triton_interpreting() -> bool:

@@ -10,13 +10,13 @@ skinny GEMM streams its weight depends on its shape, not just its size. Measured
 (benchmarks/bench_fused_moe.py and the sweeps quoted in the comments below), MKL's `x @ W.T` with
 4 <= m <= 64 fp32 rows streams the weight at only 6-15 GB/s against ~30 GB/s for a GEMV, and oneDNN's bf16
 `x @ W.T` at 12-20 GB/s. So the work is reshaped per expert, from its row count:
-- m == 1: a GEMV (`torch.mv`);
-- fp32 with m <= 3: `x @ W.T`, where MKL's small-m kernel is still at bandwidth;
+- fp32 with m <= 3: `x @ W.T` (MKL's small-m kernel is still at bandwidth there), all such experts in one
+  call of torch's grouped GEMM, whose C++ loop saves the per-expert Python dispatches;
+- m == 1 otherwise (bf16 decode): a GEMV (`torch.mv`), ~20% faster than either GEMM orientation;
 - otherwise weight-major, `(W @ x.T).T`: the weight becomes the tall M side that the library streams once
   and the few tokens the narrow N side, 17-20 GB/s fp32 (oneDNN) and 22-29 GB/s bf16, 1.3-1.9x per expert.
-Routing is sorted once; each active expert works on one contiguous slice of the gathered rows (one
-projection at a time, into one buffer, with a single activation over all pairs in between), and the
-weighted results are scattered back in fp32.
+Routing is sorted once, each active expert works on one contiguous slice of the gathered rows and writes
+its slice of one output buffer, and the weighted results are scattered back in fp32.
 """
 
 from __future__ import annotations
@@ -88,79 +88,102 @@ def _weight_major_mm(weight: torch.Tensor, inputs: torch.Tensor, differentiable:
     return torch.mm(weight, inputs.t())
 
 
-def _rows_times_weight(
-    rows: torch.Tensor, weight: torch.Tensor, differentiable: bool, out: torch.Tensor | None = None
+def _expert_mlp(
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`rows @ weight.T` ([m, K] x [N, K] -> [m, N]) for one expert, in the fastest form for its row count.
+    """down(act(gate(rows)) * up(rows)) for one expert's contiguous slice of rows: [m, H] -> [m, H].
     Writes into `out` when given (saves a copy; `out=` variants have no backward, so only without autograd)."""
+    intermediate = down.shape[1]
+    differentiable = out is None
     if rows.shape[0] == 1:
-        # One row (every expert at decode): a plain GEMV. For bf16 it streams ~20% faster than either GEMM
-        # orientation (oneDNN treats a 1-column GEMM as a GEMM); for fp32 it ties with MKL's x @ W.T.
+        # One row: a plain GEMV. For bf16 it streams ~20% faster than either GEMM orientation (oneDNN treats a
+        # 1-column GEMM as a GEMM); for fp32 it ties with MKL's x @ W.T.
+        gate_up_v = torch.mv(gate_up, rows[0])
+        hidden_v = act(gate_up_v[:intermediate]) * gate_up_v[intermediate:]
         if out is None:
-            return torch.mv(weight, rows[0])[None]
-        torch.mv(weight, rows[0], out=out[0])
+            return torch.mv(down, hidden_v)[None]
+        torch.mv(down, hidden_v, out=out[0])
         return out
     if _use_weight_major(rows.shape[0], rows.dtype):
-        result = _weight_major_mm(weight, rows, differentiable).t()  # a transposed [N, m] view
-        # copy_ of a transposed view into a contiguous slice takes PyTorch's blocked-transpose path.
+        # Kept transposed from end to end: [2I, m] -> act -> [I, m] is already the down GEMM's right operand,
+        # so the only transposed copy is of the result (on 2-core CPUs a skinny transpose copies at ~3 GB/s).
+        gate_up_t = _weight_major_mm(gate_up, rows, differentiable)
+        hidden_t = act(gate_up_t[:intermediate]) * gate_up_t[intermediate:]
+        result = _weight_major_mm(down, hidden_t.t(), differentiable).t()  # a transposed [H, m] view
         return result if out is None else out.copy_(result)
-    return torch.mm(rows, weight.t()) if out is None else torch.mm(rows, weight.t(), out=out)
+    gate_up_out = torch.mm(rows, gate_up.t())
+    hidden = act(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]
+    return torch.mm(hidden, down.t()) if out is None else torch.mm(hidden, down.t(), out=out)
 
 
-def _gemv_regime_grouped(
-    rows: torch.Tensor, weights: torch.Tensor, sizes: list[int], experts: list[int], out: torch.Tensor | None
+def _gemv_experts_grouped(
+    sorted_rows: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    sizes: list[int],
+    experts: list[int],
+    out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Torch's grouped GEMM (a C++ loop, what stock grouped_mm runs) over `experts` only.
-
-    For experts with 1-3 fp32 rows (all of them at decode, most at T=16): MKL's x @ W.T is at bandwidth
-    there, so no other shape is faster, and the only cost left is one Python dispatch per expert, 2-8% of the
-    layer with 80 active experts. With `out=None` every active expert is in `experts`: no gather needed.
-    """
-    num_experts = weights.shape[0]
-    weights_t = weights.transpose(1, 2)  # a view, as stock grouped_mm passes it
+    """The MLP of `experts` (each with 1-3 fp32 rows) through torch's grouped GEMM, the C++ loop that stock
+    grouped_mm runs. In this regime MKL's x @ W.T is already at bandwidth, so no other shape is faster and the
+    only cost left is one Python dispatch per expert, 2-8% of the layer at T=16 with 80 active experts.
+    `out=None`: `experts` are all the active experts, so no rows need gathering; returns the [S, H] result."""
+    num_experts = gate_up_proj.shape[0]
+    intermediate = down_proj.shape[2]
     if out is None:
-        offsets = torch.tensor(list(accumulate(sizes[:num_experts])), dtype=torch.int32)
-        out = _GROUPED_MM(rows, weights_t, offs=offsets)
+        rows, group_sizes = sorted_rows, sizes[:num_experts]
+    else:
+        chosen = set(experts)
+        starts = list(accumulate(sizes, initial=0))
+        index = torch.tensor([r for e in experts for r in range(starts[e], starts[e + 1])])
+        rows, group_sizes = sorted_rows[index], [sizes[e] if e in chosen else 0 for e in range(num_experts)]
+    offsets = torch.tensor(list(accumulate(group_sizes)), dtype=torch.int32)
+    gate_up = _GROUPED_MM(rows, gate_up_proj.transpose(1, 2), offs=offsets)  # views, as stock passes them
+    hidden = act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+    result = _GROUPED_MM(hidden, down_proj.transpose(1, 2), offs=offsets)
+    if out is None:
         if sizes[-1]:
-            out[rows.shape[0] - sizes[-1] :].zero_()  # rows past the last offset are left unwritten
-        return out
-    chosen = set(experts)
-    starts = list(accumulate(sizes, initial=0))
-    index = torch.tensor([r for e in experts for r in range(starts[e], starts[e + 1])])
-    offsets = torch.tensor(list(accumulate(sizes[e] if e in chosen else 0 for e in range(num_experts))),
-                           dtype=torch.int32)
-    return out.index_copy_(0, index, _GROUPED_MM(rows[index], weights_t, offs=offsets))
+            result[rows.shape[0] - sizes[-1] :].zero_()  # rows past the last offset are left unwritten
+        return result
+    return out.index_copy_(0, index, result)
 
 
-def _grouped_project(
-    rows: torch.Tensor, weights: torch.Tensor, sizes: list[int], differentiable: bool
+def _all_experts(
+    sorted_rows: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    sizes: list[int],
+    differentiable: bool,
 ) -> torch.Tensor:
-    """[S, K] rows grouped by expert (`sizes[e]` rows for expert e, then a tail of sentinel pairs) times
-    each expert's `weights[e].T`: [S, N], zero on the tail."""
-    num_experts, num_out = weights.shape[0], weights.shape[1]
-    if differentiable:
-        pieces = [
-            _rows_times_weight(x, weights[expert], True)
-            for expert, x in enumerate(rows.split(sizes)[:num_experts])
-            if x.shape[0]
-        ]
-        return torch.cat([*pieces, rows.new_zeros(sizes[-1], num_out)])
-
+    """Every pair's expert output, [S, H], for rows sorted by expert (`sizes[e]` rows for expert e, then a
+    tail of sentinel pairs, which get zeros)."""
+    num_experts = gate_up_proj.shape[0]
     active = [e for e in range(num_experts) if sizes[e]]
+    slices = sorted_rows.split(sizes)  # one dispatch for every expert's slice
+    if differentiable:
+        pieces = [_expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act) for e in active]
+        return torch.cat([*pieces, sorted_rows.new_zeros(sizes[-1], sorted_rows.shape[1])])
+
     gemv_regime = []
-    if _CPU_GROUPED_MM and rows.dtype == torch.float32 and rows.device.type == "cpu":
+    if _CPU_GROUPED_MM and sorted_rows.dtype == torch.float32 and sorted_rows.device.type == "cpu":
         gemv_regime = [e for e in active if sizes[e] < _FP32_WEIGHT_MAJOR_MIN_ROWS]
-        if len(gemv_regime) == len(active):
-            return _gemv_regime_grouped(rows, weights, sizes, gemv_regime, None)
-    out = rows.new_empty(rows.shape[0], num_out)
+    if gemv_regime and len(gemv_regime) == len(active):  # decode and small batches
+        return _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, active, None)
+    expert_out = torch.empty_like(sorted_rows)
     if gemv_regime:
-        _gemv_regime_grouped(rows, weights, sizes, gemv_regime, out)
-    slices, out_slices = rows.split(sizes), out.split(sizes)  # one dispatch each for every expert's slice
-    for expert in sorted(set(active) - set(gemv_regime)):
-        _rows_times_weight(slices[expert], weights[expert], False, out=out_slices[expert])
+        _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, gemv_regime, expert_out)
+    out_slices = expert_out.split(sizes)
+    for e in sorted(set(active) - set(gemv_regime)):
+        _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e])
     if sizes[-1]:
         out_slices[-1].zero_()
-    return out
+    return expert_out
 
 
 def fused_moe_reference(
@@ -203,10 +226,7 @@ def fused_moe_reference(
 
     sizes = rows_per_expert[:num_experts]
     sizes.append(expert_ids.numel() - sum(sizes))  # sentinel ids (>= E) sort last
-    intermediate = down_proj.shape[2]
-    gate_up = _grouped_project(sorted_rows, gate_up_proj, sizes, differentiable)  # [S, 2I]
-    hidden = act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]  # one activation for every pair
-    expert_out = _grouped_project(hidden, down_proj, sizes, differentiable)  # [S, H]
+    expert_out = _all_experts(sorted_rows, gate_up_proj, down_proj, act, sizes, differentiable)
 
     pair_weights = top_k_weights.reshape(-1)[order].to(torch.float32)
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)

@@ -12,7 +12,10 @@ reports, above its RSS just before `from_pretrained`:
                        the mmapped checkpoint and become resident only when read, as in a first forward pass);
   resident_after_mib   RSS after that; anon_after_mib its part that is not checkpoint pages (memory the process
                        owns; the kernel can drop clean file pages);
-plus wall_s of `from_pretrained` and `get_memory_footprint()`. A bundle that held the experts twice would show
+plus wall_s of `from_pretrained`, `get_memory_footprint()`, and held_storage_mib, the bytes of the distinct
+storages behind the weights (a bundle that split a fused checkpoint into copies would hold them twice).
+Quantizing on CPU frees a transient per weight, which glibc may keep on the heap (see docs/troubleshooting.md):
+the peak then varies from run to run by up to the checkpoint's size several times over, so read medians. A bundle that held the experts twice would show
 about twice stock's anonymous memory. Stock and bundle loads alternate, so a busy machine slows both alike: read
 the ratios (metric `<name>_ratio`, provider `qwen2_moe-quant/stock`).
 """
@@ -118,6 +121,9 @@ def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
     with layerswap.use_bundle(*bundles):
         model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     wall_s = time.perf_counter() - started
+    # Bytes of the distinct storages behind the weights: what the model holds, whatever the allocator keeps.
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
     # Weights that need no conversion stay views of the mmapped checkpoint, resident only once read: read one
     # element per 4 KiB page of each, as a first forward pass would, so both loads count what they hold.
     with torch.no_grad():
@@ -133,6 +139,7 @@ def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
         # Of that, memory the process owns (not pages of the mmapped checkpoint, which the kernel can drop).
         "anon_after_mib": (anon_kib - anon_before_kib) / 1024,
         "footprint_mib": model.get_memory_footprint() / 2**20,
+        "held_storage_mib": sum(storages.values()) / 2**20,
     }
     if device.startswith("cuda"):
         result["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20

@@ -121,3 +121,17 @@ def test_a_model_built_under_a_bundle_saves_stock_layout_after_the_bundle_is_dis
     stock, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     torch.testing.assert_close(stock(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_checkpoint_splits_into_views_of_one_storage_not_copies(tmp_path):
+    # A fused `[E, 2I, H]` checkpoint splits into per-expert weights that share its storage: loading it with the
+    # bundle holds the experts once, not twice.
+    tiny_model("qwen2_moe").save_pretrained(tmp_path, save_original_format=False)
+    with layerswap.use_bundle("qwen2_moe-quant"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    experts = model.model.layers[0].mlp.experts
+    storages = {e.gate_proj.weight.untyped_storage().data_ptr() for e in experts}
+    storages |= {e.up_proj.weight.untyped_storage().data_ptr() for e in experts}
+    assert len(storages) == 1
+    held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    assert sum(held.values()) <= sum(p.nbytes for p in model.parameters())

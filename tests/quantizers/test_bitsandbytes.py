@@ -87,3 +87,17 @@ def test_bundle_quantized_footprint_is_smaller_than_stock(tmp_path):
     with layerswap.use_bundle("qwen2_moe-quant"):
         ours = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
     assert ours.get_memory_footprint() < 0.6 * stock.get_memory_footprint()
+
+
+def test_a_quantized_bundle_load_returns_freed_heap_memory_and_an_unquantized_one_does_not(tmp_path, monkeypatch):
+    from layerswap import _load_hooks
+
+    tiny_model("qwen2_moe").save_pretrained(tmp_path)
+    trims = []
+    monkeypatch.setattr(_load_hooks, "trim_heap", lambda: trims.append(True))
+    with layerswap.use_bundle("qwen2_moe-quant"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert trims == []
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
+    assert trims == [True]
+

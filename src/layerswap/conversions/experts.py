@@ -94,9 +94,11 @@ class SplitFusedExperts(ConversionOps):
         if tensor.dim() != 3:
             raise ValueError(f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}")
         parts = tensor.chunk(len(self.targets), dim=1)
-        # clone: each expert gets its own storage (views of one fused tensor cannot be saved by safetensors).
+        # Views, not copies: the experts share the fused tensor's storage (often the mmapped checkpoint), so the
+        # split costs no memory. `.contiguous()` copies only when a stock pre-op (a transpose) left a strided view.
+        # Saving is unaffected: save_pretrained clones disjoint views of one storage before writing them.
         return {
-            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): part[expert].clone()
+            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): part[expert].contiguous()
             for target, part in zip(self.targets, parts, strict=True)
             for expert in range(tensor.shape[0])
         }

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -179,10 +180,8 @@ def trim_heap() -> None:
     the load's peak is the allocator's (see docs/troubleshooting.md for MALLOC_MMAP_THRESHOLD_)."""
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # not glibc
         ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
 
 
 def swapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

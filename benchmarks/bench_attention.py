@@ -1,6 +1,6 @@
 """Stock attention vs FusedQKVAttention at real model shapes, side by side in one run, on random weights.
 
-    python benchmarks/bench_attention.py [--csv out.csv] [--tokens 1 16] [--dtypes bf16] [--threads 1]
+    python benchmarks/bench_attention.py [--csv out.csv] [--tokens 1 16] [--dtypes bf16] [--threads 1] [--device cuda]
     pytest benchmarks/bench_attention.py --benchmark-enable    # a few points, as pytest-benchmark cases
 
 Shapes: Llama-3.2-1B and Qwen3-30B-A3B from model_shapes.json (../shared/model_shapes.json from the repo root,
@@ -75,7 +75,9 @@ def _layer_bytes(config: Any, dtype: torch.dtype) -> int:
     return (2 * q + 2 * kv) * config.hidden_size * dtype.itemsize
 
 
-def build_layers(shape_name: str, dtype: torch.dtype, working_set_mb: float, seed: int = 0) -> Layers:
+def build_layers(
+    shape_name: str, dtype: torch.dtype, working_set_mb: float, seed: int = 0, device: str = "cpu"
+) -> Layers:
     fields = {k: v for k, v in load_shapes()[shape_name].items() if k not in ("model_type", "torch_dtype")}
     model_type = load_shapes()[shape_name]["model_type"]
     config = AutoConfig.for_model(model_type, **fields)
@@ -89,8 +91,8 @@ def build_layers(shape_name: str, dtype: torch.dtype, working_set_mb: float, see
     stock, fused = [], []
     with torch.no_grad():
         for _ in range(copies):
-            layer = stock_class(config, layer_idx=0).to(dtype).eval()
-            twin = fused_class(config, layer_idx=0).to(dtype).eval()
+            layer = stock_class(config, layer_idx=0).to(device=device, dtype=dtype).eval()
+            twin = fused_class(config, layer_idx=0).to(device=device, dtype=dtype).eval()
             state = layer.state_dict()
             for parameter in ("weight", "bias"):
                 parts = [state.pop(f"{name}.{parameter}", None) for name in ("q_proj", "k_proj", "v_proj")]
@@ -99,7 +101,7 @@ def build_layers(shape_name: str, dtype: torch.dtype, working_set_mb: float, see
             twin.load_state_dict(state, strict=True)
             stock.append(layer)
             fused.append(twin)
-    return Layers(config, stock, fused, rotary_class(config), dtype)
+    return Layers(config, stock, fused, rotary_class(config).to(device), dtype)
 
 
 def _stock_qkv(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -112,8 +114,9 @@ def _fused_qkv(module: FusedQKVAttention, x: torch.Tensor) -> tuple[torch.Tensor
 
 def workloads(layers: Layers, tokens: int, seed: int = 1) -> dict[tuple[str, str], Callable[[], Any]]:
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, tokens, layers.config.hidden_size, generator=generator).to(layers.dtype)
-    cos, sin = layers.rotary(x, torch.arange(tokens)[None])
+    device = layers.stock[0].q_proj.weight.device
+    x = torch.randn(1, tokens, layers.config.hidden_size, generator=generator).to(device=device, dtype=layers.dtype)
+    cos, sin = layers.rotary(x, torch.arange(tokens, device=device)[None])
     pe = (cos.to(layers.dtype), sin.to(layers.dtype))
     cycles = {name: itertools.cycle(getattr(layers, name)) for name in ("stock", "fused")}
     return {
@@ -124,29 +127,40 @@ def workloads(layers: Layers, tokens: int, seed: int = 1) -> dict[tuple[str, str
     }
 
 
-def _inner_loops(function: Callable[[], Any], target_s: float = 0.02) -> int:
+def _synchronize(device: str) -> None:
+    """Wait for queued GPU work, so that perf_counter brackets the kernels and not just their launches."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _inner_loops(function: Callable[[], Any], device: str, target_s: float = 0.02) -> int:
+    _synchronize(device)
     start = time.perf_counter()
     function()
+    _synchronize(device)
     elapsed = max(time.perf_counter() - start, 1e-6)
     return max(1, min(200, int(target_s / elapsed)))
 
 
-def measure(functions: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Per-call milliseconds, `repeats` samples each; the providers take turns inside every round."""
+def measure(functions: dict[str, Callable[[], Any]], repeats: int, device: str = "cpu") -> dict[str, list[float]]:
+    """Per-call milliseconds, `repeats` samples each; the providers take turns inside every round. On CUDA each
+    sample is bracketed by synchronisations."""
     with torch.inference_mode():
         for function in functions.values():
             for _ in range(3):
                 function()
-        loops = {name: _inner_loops(function) for name, function in functions.items()}
+        loops = {name: _inner_loops(function, device) for name, function in functions.items()}
         samples: dict[str, list[float]] = {name: [] for name in functions}
         order = list(functions)
         for _ in range(repeats):
             order.reverse()  # neither provider always runs first (warm caches, turbo state)
             for name in order:
                 function = functions[name]
+                _synchronize(device)
                 start = time.perf_counter()
                 for _ in range(loops[name]):
                     function()
+                _synchronize(device)
                 samples[name].append((time.perf_counter() - start) * 1e3 / loops[name])
     return samples
 
@@ -156,13 +170,14 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), cuts[1], cuts[7]
 
 
-def machine_limits(dtype: torch.dtype, working_set_mb: float) -> tuple[float, float]:
-    """(copy bandwidth in bytes/ms over `working_set_mb`, large-GEMM rate in FLOP/ms) of this machine, now."""
+def machine_limits(dtype: torch.dtype, working_set_mb: float, device: str = "cpu") -> tuple[float, float]:
+    """(copy bandwidth in bytes/ms over `working_set_mb`, large-GEMM rate in FLOP/ms) of this device, now."""
     with torch.inference_mode():
-        source = torch.empty(int(working_set_mb * 2**20) // dtype.itemsize, dtype=dtype).normal_()
+        numel = max(1, int(max(working_set_mb, 64) * 2**20) // dtype.itemsize)
+        source = torch.empty(numel, dtype=dtype, device=device).normal_()
         target = torch.empty_like(source)
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-        samples = measure({"copy": lambda: target.copy_(source), "gemm": lambda: a @ b}, repeats=7)
+        a, b = (torch.randn(2048, 2048, dtype=dtype, device=device) for _ in range(2))
+        samples = measure({"copy": lambda: target.copy_(source), "gemm": lambda: a @ b}, repeats=7, device=device)
     copy_ms, gemm_ms = (statistics.median(samples[name]) for name in ("copy", "gemm"))
     return 2 * source.numel() * dtype.itemsize / copy_ms, 2 * 2048**3 / gemm_ms
 
@@ -174,19 +189,26 @@ def roofline_ms(layers: Layers, tokens: int, limits: tuple[float, float]) -> flo
     return max(weight.numel() * weight.element_size() / bandwidth, 2 * tokens * weight.numel() / gemm_rate)
 
 
+def device_label(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def sweep(
-    shapes: tuple[str, ...], dtypes: tuple[str, ...], tokens: tuple[int, ...], repeats: int, working_set_mb: float
+    shapes: tuple[str, ...], dtypes: tuple[str, ...], tokens: tuple[int, ...], repeats: int, working_set_mb: float,
+    device: str = "cpu",
 ) -> Iterator[dict]:
-    device = f"cpu ({torch.get_num_threads()} threads)"
+    label = device_label(device)
     for dtype_name in dtypes:
-        limits = machine_limits(DTYPES[dtype_name], working_set_mb)
+        limits = machine_limits(DTYPES[dtype_name], working_set_mb, device)
         for shape in shapes:
-            layers = build_layers(shape, DTYPES[dtype_name], working_set_mb)
+            layers = build_layers(shape, DTYPES[dtype_name], working_set_mb, device=device)
             for t in tokens:
                 jobs = workloads(layers, t)
-                common = dict(shape=shape, dtype=dtype_name, T=t, device=device)
+                common = dict(shape=shape, dtype=dtype_name, T=t, device=label)
                 for kernel in ("qkv_proj", "attention"):
-                    samples = measure({p: jobs[(kernel, p)] for p in ("stock", "fused")}, repeats)
+                    samples = measure({p: jobs[(kernel, p)] for p in ("stock", "fused")}, repeats, device)
                     ratios = [f / s for f, s in zip(samples["fused"], samples["stock"], strict=True)]
                     for provider, values, metric in (
                         ("stock", samples["stock"], "ms"),
@@ -211,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--working-set-mb", type=float, default=1024,
                         help="weights cycled through per provider; above the CPU's last-level cache (default 1024)")
     args = parser.parse_args(argv)
@@ -223,7 +246,10 @@ def main(argv: list[str] | None = None) -> None:
             return iterable
     rows = []
     total = len(args.shapes) * len(args.dtypes) * len(args.tokens) * 7
-    points = sweep(tuple(args.shapes), tuple(args.dtypes), tuple(args.tokens), args.repeats, args.working_set_mb)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is present (torch.cuda.is_available() is False)")
+    points = sweep(tuple(args.shapes), tuple(args.dtypes), tuple(args.tokens), args.repeats, args.working_set_mb,
+                   args.device)
     for row in tqdm(points, total=total):
         rows.append(row)
     with args.csv.open("w", newline="") as handle:

@@ -1,8 +1,6 @@
 """weight_footprint (computed on the meta device) against get_memory_footprint() of models loaded for real with
 bitsandbytes on CPU, and the -quant bundle's load memory on a small checkpoint."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerswap
+from benchmark_modules import benchmark_module
 from layerswap import BundleError
 from layerswap.memory import bnb_replaced_linears, weight_footprint
 from layerswap.shapes import meta_model, resolve_config
@@ -92,26 +91,21 @@ def test_unknown_scheme_is_an_error_that_names_the_choices():
 
 # --- load memory ------------------------------------------------------------------------------------------------
 
-def _benchmark_module(name):
-    """benchmarks/<name>.py, imported under a private name (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_layerswap_benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads peak RSS from Linux's /proc/self/status")
-def test_bundle_load_of_a_per_expert_checkpoint_does_not_hold_the_experts_twice(tmp_path):
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_bundle_load_does_not_hold_the_experts_twice(tmp_path, layout):
     """The load's own peak RSS (each load in a fresh process, peak reset after the imports) with the bundle stays
-    within 1.1x stock's. Stock stacks the per-expert tensors into 3D copies while the checkpoint's pages are
-    mapped, so it peaks near twice the checkpoint; a bundle that stacked and then split would peak higher still."""
-    load = _benchmark_module("load")
+    within 1.1x stock's, and the weights' storages add up to stock's. Per-expert checkpoints: stock stacks the
+    tensors into 3D copies while the checkpoint's pages are mapped, so it peaks near twice the checkpoint; a bundle
+    that stacked and then split would peak higher still. Fused checkpoints: stock keeps zero-copy views of the
+    mapped file; the bundle's split must be views too, not a copy per expert."""
+    load = benchmark_module("load")
     shape = load.CheckpointShape(hidden=512, moe_intermediate=256, experts=32, layers=2, vocab=512)
-    size_mib = load.make_checkpoint(shape, tmp_path, "per-expert") / 2**20
+    size_mib = load.make_checkpoint(shape, tmp_path, layout) / 2**20
     stock, bundle = load.load_concurrently([(tmp_path, "", "bf16"), (tmp_path, "qwen2_moe-quant", "bf16")])
     assert bundle["footprint_mib"] == pytest.approx(stock["footprint_mib"])
+    assert bundle["held_storage_mib"] == pytest.approx(stock["held_storage_mib"])
     assert bundle["load_peak_rss_mib"] <= 1.1 * stock["load_peak_rss_mib"], (stock, bundle)
     # Absolute form of the same property: one copy of the weights plus a little working memory.
     assert bundle["load_peak_rss_mib"] <= 1.5 * size_mib + 32, (size_mib, bundle)
+

@@ -89,7 +89,9 @@ def test_bundle_quantized_footprint_is_smaller_than_stock(tmp_path):
     assert ours.get_memory_footprint() < 0.6 * stock.get_memory_footprint()
 
 
-def test_a_quantized_bundle_load_returns_freed_heap_memory_and_an_unquantized_one_does_not(tmp_path, monkeypatch):
+def test_a_quantized_bundle_load_trims_the_heap_as_it_quantizes_and_an_unquantized_one_does_not(
+    tmp_path, monkeypatch
+):
     from layerswap import _load_hooks
 
     tiny_model("qwen2_moe").save_pretrained(tmp_path)
@@ -99,5 +101,12 @@ def test_a_quantized_bundle_load_returns_freed_heap_memory_and_an_unquantized_on
         AutoModelForCausalLM.from_pretrained(tmp_path)
         assert trims == []
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
-    assert trims == [True]
-
+        assert trims == [True]  # the tiny model is far below TRIM_EVERY_BYTES: only the trim at the end
+        monkeypatch.setattr(_load_hooks, "TRIM_EVERY_BYTES", 1)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
+    quantized = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
+    assert len(trims) == 1 + quantized + 1
+    # Stock transformers' own loads are left alone.
+    trims.clear()
+    AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
+    assert trims == []

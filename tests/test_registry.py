@@ -226,3 +226,44 @@ def test_an_error_while_building_a_model_leaves_no_class_swapped():
     with layerswap.use_bundle("qwen2_moe-quant"), pytest.raises(RuntimeError):
         AutoModelForCausalLM.from_config(config)
     assert modeling.Qwen2MoeExperts is stock_class
+
+
+def _transformers_class_bindings():
+    import sys
+
+    return {
+        (module.__name__, name): value
+        for module in list(sys.modules.values())
+        if getattr(module, "__name__", "").startswith("transformers") and not isinstance(module, type)
+        for name, value in list(vars(module).items())
+        if isinstance(value, type)
+    }
+
+
+def test_class_swap_is_the_one_transformers_apply_patches_makes_and_is_undone():
+    # layerswap swaps classes itself while a bundle is enabled (transformers' apply_patches spends ~0.35 s per
+    # model build in dir() of its lazy modules); both must bind the same classes, regex patterns included.
+    import transformers.models.llama.modeling_llama
+    import transformers.models.olmoe.modeling_olmoe  # noqa: F401
+
+    from layerswap import _load_hooks
+
+    class Regex(torch.nn.Module):
+        pass
+
+    before = _transformers_class_bindings()
+    monkey_patching.register_patch_mapping({"^Olmoe.*Experts$": Regex})
+    try:
+        with layerswap.use_bundle("qwen2_moe-quant", "llama-fused_qkv"):
+            with monkey_patching.apply_patches():
+                stock = _transformers_class_bindings()
+            with _load_hooks._swap_classes():
+                ours = _transformers_class_bindings()
+            assert _transformers_class_bindings() == before
+    finally:
+        monkey_patching.unregister_patch_mapping(["^Olmoe.*Experts$"])
+    assert ours == stock
+    swapped = {key for key, value in ours.items() if before.get(key) is not value}
+    assert ("transformers.models.olmoe.modeling_olmoe", "OlmoeExperts") in swapped
+    assert ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts") in swapped
+    assert ("transformers.models.llama.modeling_llama", "LlamaAttention") in swapped

@@ -94,14 +94,27 @@ class SplitFusedExperts(ConversionOps):
         if tensor.dim() != 3:
             raise ValueError(f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}")
         parts = tensor.chunk(len(self.targets), dim=1)
-        # Views, not copies: the experts share the fused tensor's storage (often the mmapped checkpoint), so the
-        # split costs no memory. `.contiguous()` copies only when a stock pre-op (a transpose) left a strided view.
-        # Saving is unaffected: save_pretrained clones disjoint views of one storage before writing them.
         return {
-            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): part[expert].contiguous()
+            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): _with_own_storage(part[expert])
             for target, part in zip(self.targets, parts, strict=True)
             for expert in range(tensor.shape[0])
         }
+
+
+def _with_own_storage(piece: torch.Tensor) -> torch.Tensor:
+    """One expert's slice of a fused tensor as a tensor with a storage of its own, over the same memory on CPU.
+
+    Plain views would share the fused tensor's storage, and savers that refuse or deduplicate tensors sharing a
+    storage would then fail or drop experts (safetensors' `save_file` raises; accelerate's `save_model` keeps one
+    tensor per storage). A copy per expert would hold the experts twice while the fused tensor (often the mmapped
+    checkpoint) is alive. A storage slice aliases the expert's bytes and keeps the fused tensor alive: no copy, no
+    sharing. Off the CPU, where the fused tensor is a transient the loader frees after the split, it is copied."""
+    piece = piece.contiguous()  # copies only when a stock pre-op (a transpose) left a strided view
+    if piece.device.type != "cpu":
+        return piece.clone()
+    start = piece.storage_offset() * piece.element_size()
+    storage = piece.untyped_storage()[start : start + piece.nbytes]
+    return torch.empty(0, dtype=piece.dtype).set_(storage, 0, piece.shape, piece.stride())
 
 
 class FusedToLinearExperts(WeightConverter):

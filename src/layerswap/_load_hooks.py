@@ -238,7 +238,8 @@ def _trim_heap_while_quantizing(quantizer: HfQuantizer) -> None:
         def convert_then_trim(input_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             result = convert(input_dict, *args, **kwargs)
             values = [v for value in input_dict.values() for v in (value if isinstance(value, list) else [value])]
-            pending[0] += sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+            # Only CPU weights leave transients on the C heap; quantizing on a GPU needs no trim.
+            pending[0] += sum(v.nbytes for v in values if isinstance(v, torch.Tensor) and v.device.type == "cpu")
             if pending[0] >= TRIM_EVERY_BYTES:
                 pending[0] = 0
                 trim_heap()

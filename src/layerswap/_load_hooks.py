@@ -6,7 +6,8 @@
   random init; the wrapper raises MissingExpertWeightsError first, warns when a bundle swapped nothing, and
   trims the heap after a quantized load.
 - `HfQuantizer.preprocess_model` refuses quantizers that cannot work with a bundle, and makes the quantizer of a
-  model with swapped-in modules hand the heap's freed transients back to the OS as it quantizes (`trim_heap`).
+  model with swapped-in modules quantize one weight per call, handing the heap's freed transients back to the OS
+  as it goes (`trim_heap`).
 - `HfQuantizer.get_modules_to_not_convert` gets the bundles' keep-unquantized modules (routers, 1-wide gates).
 """
 
@@ -213,7 +214,7 @@ def trim_heap() -> None:
     Quantizing every expert on CPU allocates and frees a transient per weight, and glibc's growing mmap threshold
     keeps those freed blocks on the heap: a 325 MiB qwen2_moe nf4 load measured, in about one run of two, a peak of
     1.2-1.6 GiB and 1.2 GiB resident after loading, with 94 MiB of live tensors. Trimming while quantizing
-    (_trim_heap_while_quantizing) and at the end of the load keeps both at what the weights need."""
+    (_quantize_one_weight_per_call) and at the end of the load keeps both at what the weights need."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(AttributeError, OSError):  # not glibc
@@ -225,30 +226,47 @@ def trim_heap() -> None:
 TRIM_EVERY_BYTES = 8 << 20
 
 
-def _trim_heap_while_quantizing(quantizer: HfQuantizer) -> None:
-    """Make this quantizer's quantize ops trim the heap every TRIM_EVERY_BYTES of weights they quantize, so the
-    load's peak stays what the weights need (see trim_heap). Patches this one quantizer object, which lives only as
-    long as the model it loads; nothing global changes."""
+def _quantize_one_weight_per_call(quantizer: HfQuantizer) -> None:
+    """Make this quantizer's quantize ops take one weight per call, and trim the heap every TRIM_EVERY_BYTES of
+    CPU weights they quantize (see trim_heap).
+
+    A fused checkpoint's split hands the quantize op every expert of a layer in one dict (64 weights), where stock
+    conversions hand it one tensor. torchao's and quanto's ops quantize only the tensor named by
+    `full_layer_name` (quanto's reads it as a list), so the other experts would come out missing, and bitsandbytes' op would hold all its
+    transients until the end of the call. Patches this one quantizer object, which lives only as long as the model
+    it loads; nothing global changes."""
     get_quantize_ops = quantizer.get_quantize_ops
     pending = [0]
 
-    def trimming(op: Any) -> Any:
+    def count(value: Any) -> None:
+        # Only CPU weights leave transients on the C heap; quantizing on a GPU needs no trim.
+        for tensor in value if isinstance(value, list) else [value]:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                pending[0] += tensor.nbytes
+        if pending[0] >= TRIM_EVERY_BYTES:
+            pending[0] = 0
+            trim_heap()
+
+    def one_weight_per_call(op: Any) -> Any:
         convert = op.convert
 
-        def convert_then_trim(input_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            result = convert(input_dict, *args, **kwargs)
-            values = [v for value in input_dict.values() for v in (value if isinstance(value, list) else [value])]
-            # Only CPU weights leave transients on the C heap; quantizing on a GPU needs no trim.
-            pending[0] += sum(v.nbytes for v in values if isinstance(v, torch.Tensor) and v.device.type == "cpu")
-            if pending[0] >= TRIM_EVERY_BYTES:
-                pending[0] = 0
-                trim_heap()
+        def convert_each(input_dict: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+            if len(input_dict) == 1:
+                result = convert(input_dict, *args, **kwargs)
+                count(next(iter(input_dict.values())))
+                return result
+            result = {}
+            for key, value in input_dict.items():
+                # As a renamed weight reaches it: a list of one tensor (quanto's op reads `value[0]`).
+                single = {key: value if isinstance(value, list) else [value]}
+                result.update(convert(single, *args, **{**kwargs, "full_layer_name": key}))
+                count(value)
             return result
 
-        op.convert = convert_then_trim
+        op.convert = convert_each
         return op
 
-    quantizer.get_quantize_ops = lambda: trimming(get_quantize_ops())
+    quantizer.get_quantize_ops = lambda: one_weight_per_call(get_quantize_ops())
 
 
 def swapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -316,7 +334,7 @@ def _make_checked_preprocess_model(original: Any) -> Any:
     def preprocess_model(self: HfQuantizer, model: Any, *args: Any, **kwargs: Any) -> Any:
         _refuse_incompatible_quantizer(self, model)
         if swapped_modules(model):
-            _trim_heap_while_quantizing(self)
+            _quantize_one_weight_per_call(self)
         return original(self, model, *args, **kwargs)
 
     return preprocess_model

@@ -217,11 +217,13 @@ def _is_experts_module(module: nn.Module) -> bool:
 
 
 @functools.cache
-def checkpoint(family: str) -> Reference:
-    """A stock (fused-experts) tiny checkpoint saved once per process, and its unquantized forward."""
+def checkpoint(family: str, layout: str = "stock") -> Reference:
+    """A tiny checkpoint saved once per process, and its unquantized forward. `layout` "stock": as stock
+    `save_pretrained` writes it (per-expert keys for most families); "fused": the 3D experts tensors as they are in
+    memory (`save_original_format=False`), which the bundle splits on load."""
     model = tiny_model(family)
-    directory = _root() / family
-    model.save_pretrained(directory)
+    directory = _root() / f"{family}-{layout}"
+    model.save_pretrained(directory, save_original_format=layout != "fused")
     captured: dict[str, tuple[tuple[Any, ...], dict[str, Any], torch.Tensor]] = {}
 
     def keep(name: str) -> Callable[..., None]:
@@ -280,9 +282,9 @@ def _describe(error: BaseException) -> str:
 
 
 @functools.cache
-def measure(scheme_key: str, family: str, bundle: bool) -> Measurement:
+def measure(scheme_key: str, family: str, bundle: bool, layout: str = "stock") -> Measurement:
     scheme = SCHEMES_BY_KEY[scheme_key]
-    reference = checkpoint(family)
+    reference = checkpoint(family, layout)
     common = {"scheme": scheme_key, "family": family, "bundle": bundle}
     try:
         if bundle:

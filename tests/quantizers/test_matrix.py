@@ -73,6 +73,23 @@ def test_matrix_row(key, bundle):
     assert m.max_rel_error < LOGIT_BOUND[scheme.bits], m
 
 
+# Quantizers that quantize while loading, on checkpoints whose experts are fused 3D tensors: the bundle splits each
+# into per-expert weights, and the quantizer's op receives every expert of a layer at once (granitemoe's stock
+# layout is fused; the others are saved with save_original_format=False).
+FUSED_LAYOUT_CASES = [("qwen2_moe", "fused"), ("mixtral", "fused"), ("granitemoe", "stock")]
+
+
+@pytest.mark.parametrize(("family", "layout"), FUSED_LAYOUT_CASES, ids=lambda v: v)
+@pytest.mark.parametrize("scheme", ["bnb-nf4", "bnb-int8", "torchao-int8wo", "quanto-int8"])
+def test_fused_checkpoints_get_every_expert_quantized(scheme, family, layout):
+    m = matrix.measure(scheme, family, True, layout)
+    assert m.load_error is None, m.load_error
+    assert m.expert_layers > 0 and m.expert_layers_quantized == m.expert_layers, m
+    assert m.forward_ok, m.forward_error
+    bits = matrix.SCHEMES_BY_KEY[scheme].bits
+    assert m.expert_rel_error < EXPERT_BOUND[bits] and m.max_rel_error < LOGIT_BOUND[bits], m
+
+
 @pytest.mark.parametrize("scheme", TEST_FAMILIES)
 def test_layerswap_report_counts_what_the_quantizer_did(scheme):
     m = matrix.measure(scheme, "qwen2_moe", True)

@@ -4,7 +4,7 @@
   undoes it; the wrapper journals every dict and recorder before it is rewritten, so disabling restores them.
 - `PreTrainedModel._finalize_model_loading` would give swapped-in modules whose weights the checkpoint lacks a
   random init; the wrapper raises MissingExpertWeightsError first, warns when a bundle swapped nothing, and
-  trims the heap after a quantized load.
+  after a quantized load keeps quantized experts saving per expert and trims the heap.
 - `HfQuantizer.preprocess_model` refuses quantizers that cannot work with a bundle, and makes the quantizer of a
   model with swapped-in modules quantize one weight per call, handing the heap's freed transients back to the OS
   as it goes (`trim_heap`).
@@ -202,10 +202,31 @@ def _make_guarded_finalize(original: staticmethod) -> staticmethod:
         result = finalize(model, load_config, loading_info)
         _warn_on_bundles_that_swapped_nothing(model)
         if getattr(load_config, "hf_quantizer", None) is not None and swapped_modules(model):
+            _save_quantized_experts_per_expert(model)
             trim_heap()
         return result
 
     return staticmethod(_finalize_model_loading)
+
+
+def _save_quantized_experts_per_expert(model: nn.Module) -> None:
+    """Quantized experts cannot be stacked back into a fused `[E, 2I, H]` tensor (bitsandbytes' packed 4-bit
+    weights come with per-expert quant states, int8 ones with per-expert scales), so a quantized model of a family
+    whose stock layout is fused (granitemoe) saves LinearExperts' per-expert layout, which the `-quant` bundle loads
+    back. Stock transformers cannot load quantized experts in any layout."""
+    from .adapters.experts import LinearExperts
+    from .conversions.experts import FusedToLinearExperts
+
+    quantized = any(
+        type(layer) is not nn.Linear
+        for module in model.modules()
+        if isinstance(module, LinearExperts)
+        for expert in module
+        for layer in expert.children()
+    )
+    conversions = getattr(model, "_weight_conversions", None)
+    if quantized and conversions:
+        model._weight_conversions = [c for c in conversions if not isinstance(c, FusedToLinearExperts)]
 
 
 def trim_heap() -> None:

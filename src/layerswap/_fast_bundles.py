@@ -56,4 +56,5 @@ def fast_bundle(family: Family) -> Bundle | None:
         conversions=conversions,
         installers=(refuse_tensor_parallelism,) if fused_attention else (),
         requirements=("CUDA + triton for the Triton kernel; the PyTorch path is used otherwise",),
+        keep_unquantized=family.keep_unquantized,
     )

@@ -43,6 +43,7 @@ def fused_qkv_bundle(family: Family) -> Bundle | None:
         patches=(Patch(family.modeling_module, family.attention, fused_qkv_adapter),),
         conversions={family.model_type: fused_qkv_conversions},
         installers=(refuse_tensor_parallelism,),
+        keep_unquantized=family.keep_unquantized,
     )
 
 

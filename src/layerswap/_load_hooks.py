@@ -4,7 +4,7 @@
   undoes it; the wrapper journals every dict and recorder before it is rewritten, so disabling restores them.
 - `PreTrainedModel._finalize_model_loading` would give swapped-in modules whose weights the checkpoint lacks a
   random init; the wrapper raises MissingExpertWeightsError first, warns when a bundle swapped nothing, and
-  after a quantized load keeps quantized experts saving per expert and trims the heap.
+  after a quantized load keeps quantized swapped-in layers saving as they are and trims the heap.
 - `HfQuantizer.preprocess_model` refuses quantizers that cannot work with a bundle, and makes the quantizer of a
   model with swapped-in modules quantize one weight per call, handing the heap's freed transients back to the OS
   as it goes (`trim_heap`).
@@ -202,31 +202,34 @@ def _make_guarded_finalize(original: staticmethod) -> staticmethod:
         result = finalize(model, load_config, loading_info)
         _warn_on_bundles_that_swapped_nothing(model)
         if getattr(load_config, "hf_quantizer", None) is not None and swapped_modules(model):
-            _save_quantized_experts_per_expert(model)
+            _save_quantized_layers_as_loaded(model)
             trim_heap()
         return result
 
     return staticmethod(_finalize_model_loading)
 
 
-def _save_quantized_experts_per_expert(model: nn.Module) -> None:
-    """Quantized experts cannot be stacked back into a fused `[E, 2I, H]` tensor (bitsandbytes' packed 4-bit
-    weights come with per-expert quant states, int8 ones with per-expert scales), so a quantized model of a family
-    whose stock layout is fused (granitemoe) saves LinearExperts' per-expert layout, which the `-quant` bundle loads
-    back. Stock transformers cannot load quantized experts in any layout."""
+def _save_quantized_layers_as_loaded(model: nn.Module) -> None:
+    """Quantized weights cannot be re-laid-out on save: bitsandbytes' packed 4-bit weights come with per-layer quant
+    states, int8 ones with per-row scales. They can be neither stacked (experts into granitemoe's fused
+    `[E, 2I, H]`) nor split (a fused `qkv_proj` into q/k/v). So a quantized model saves the layers layerswap swapped
+    in as they are (experts one by one, one `qkv_proj`), and the same bundle loads them back. Stock transformers
+    loads quantized experts in no layout at all."""
+    from .adapters.attention import FusedQKVAttention
     from .adapters.experts import LinearExperts
     from .conversions.experts import FusedToLinearExperts
+    from .conversions.qkv import FusedQKVConverter
+    from .report import is_quantized_linear
 
-    quantized = any(
-        type(layer) is not nn.Linear
-        for module in model.modules()
-        if isinstance(module, LinearExperts)
-        for expert in module
-        for layer in expert.children()
-    )
+    kept_as_loaded: set[type] = set()
+    for module in model.modules():
+        if isinstance(module, LinearExperts) and any(is_quantized_linear(m) for m in module.modules()):
+            kept_as_loaded.add(FusedToLinearExperts)
+        elif isinstance(module, FusedQKVAttention) and is_quantized_linear(module.qkv_proj):
+            kept_as_loaded.add(FusedQKVConverter)
     conversions = getattr(model, "_weight_conversions", None)
-    if quantized and conversions:
-        model._weight_conversions = [c for c in conversions if not isinstance(c, FusedToLinearExperts)]
+    if kept_as_loaded and conversions:
+        model._weight_conversions = [c for c in conversions if type(c) not in kept_as_loaded]
 
 
 def trim_heap() -> None:

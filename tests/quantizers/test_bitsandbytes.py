@@ -85,6 +85,28 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
         assert torch.equal(model(tiny_input_ids()).logits, reloaded(tiny_input_ids()).logits)
 
 
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+@pytest.mark.parametrize(("model_type", "bundle"), [("llama", "llama-fused_qkv"), ("qwen2_moe", "qwen2_moe-fast")])
+def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(model_type, bundle, scheme, tmp_path):
+    # A quantized qkv_proj cannot be split into q/k/v (4-bit rows are packed with their quant state), so it saves
+    # fused and the bundle loads it back. The -fast bundle also keeps qwen2_moe's 1-wide shared_expert_gate out of
+    # 4-bit, which bitsandbytes' CPU kernel rejects (as it does on a stock load).
+    source, saved = tmp_path / "source", tmp_path / "saved"
+    tiny_model(model_type).save_pretrained(source)
+    with layerswap.use_bundle(bundle):
+        model = AutoModelForCausalLM.from_pretrained(source, quantization_config=quantization_config(scheme))
+        model.save_pretrained(saved)
+        reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    from safetensors import safe_open
+
+    with safe_open(str(saved / "model.safetensors"), "pt") as checkpoint:
+        keys = set(checkpoint.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in keys
+    assert not any(".q_proj." in key for key in keys)
+    with torch.no_grad():
+        assert torch.equal(model(tiny_input_ids()).logits, reloaded(tiny_input_ids()).logits)
+
+
 def test_stock_transformers_leaves_experts_unquantized_and_report_says_so(tmp_path):
     tiny_model("qwen2_moe").save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))

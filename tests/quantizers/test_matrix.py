@@ -16,7 +16,7 @@ from transformers.quantizers import AutoHfQuantizer
 import layerswap
 from layerswap._errors import IncompatibleQuantizerError
 from quantizers import matrix
-from tiny_models import tiny_config
+from tiny_models import tiny_config, tiny_input_ids
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "quantizers.md"
 
@@ -88,6 +88,21 @@ def test_fused_checkpoints_get_every_expert_quantized(scheme, family, layout):
     assert m.forward_ok, m.forward_error
     bits = matrix.SCHEMES_BY_KEY[scheme].bits
     assert m.expert_rel_error < EXPERT_BOUND[bits] and m.max_rel_error < LOGIT_BOUND[bits], m
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "granitemoe"])
+def test_torchao_quantized_model_saves_and_reloads_with_the_bundle_exactly(family, tmp_path):
+    scheme = matrix.SCHEMES_BY_KEY["torchao-int8wo"]
+    with layerswap.use_bundle(f"{family}-quant"):
+        model = AutoModelForCausalLM.from_pretrained(matrix.checkpoint(family).directory,
+                                                     quantization_config=scheme.build(family))
+        model.save_pretrained(tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    total, quantized = matrix._count_expert_layers(reloaded, scheme.quantized_by_class)
+    assert total > 0 and quantized == total
+    ids = tiny_input_ids()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
 
 
 @pytest.mark.parametrize("scheme", TEST_FAMILIES)

@@ -61,6 +61,11 @@ projections. `finegrained_fp8` is not in the table: it replaces every module nam
 experts (it quantizes stock experts itself), so layerswap refuses it with a `-quant` bundle
 (`IncompatibleQuantizerError`).
 
+Beyond the table (tests/quantizers): checkpoints whose experts are fused 3D tensors (granitemoe's stock layout, or
+any checkpoint saved with `save_original_format=False`) load with every expert quantized by bitsandbytes nf4 and
+int8, torchao and quanto. A bitsandbytes- or torchao-quantized bundle model saves its quantized experts one by one
+and reloads with the same bundle to identical outputs (quanto models are not serializable in transformers).
+
 """
 
 

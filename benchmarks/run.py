@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import math
 import re
 import sys
@@ -61,19 +60,6 @@ def _row(kernel, provider, shape, dtype, tokens, metric, median, p20, p80, devic
                 tokens=tokens, metric=metric, median=float(median), p20=float(p20), p80=float(p80), device=device)
 
 
-def _call(function: Callable, **arguments):
-    """Call a colleague's sweep by keyword, leaving out settings its signature lacks (e.g. an older
-    bench_fused_moe without `flush_mib`): its own defaults apply. A required parameter we do not know is an
-    error that names it."""
-    parameters = inspect.signature(function).parameters
-    unknown = [n for n, p in parameters.items() if p.default is p.empty and n not in arguments
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if unknown:
-        raise SystemExit(f"{function.__module__}.{function.__name__} now needs {unknown}, which benchmarks/run.py "
-                         "does not pass: update run.py to match.")
-    return function(**{n: v for n, v in arguments.items() if n in parameters})
-
-
 # --- suites --------------------------------------------------------------------------------------------------
 
 
@@ -88,9 +74,9 @@ def run_moe(device: torch.device, quick: bool) -> list[dict]:
     if device.type == "cuda":
         reps, budget = (30, 1.0) if quick else (100, 3.0)
     gather_limit = 40.0 if device.type == "cuda" else 2.0
-    raw = _call(moe.sweep, shapes=moe.load_shapes(list(moe.SHAPES)), dtypes=dtypes, tokens=tokens,
-                providers=list(moe.PROVIDERS), device=device, reps=reps, budget_s=budget,
-                gather_limit_gib=gather_limit, flush_mib=512)
+    raw = moe.sweep(shapes=moe.load_shapes(list(moe.SHAPES)), dtypes=dtypes, tokens=tokens,
+                    providers=list(moe.PROVIDERS), device=device, reps=reps, budget_s=budget,
+                    gather_limit_gib=gather_limit, flush_mib=512)
     rows = []
     for r in raw:
         metric = "latency_ms" if r["metric"] == "ms" else r["metric"]  # the roofline row
@@ -105,8 +91,8 @@ def run_attention(device: torch.device, quick: bool) -> list[dict]:
     tokens = (1, 16, 128) if quick else attention.TOKENS
     repeats, working_set_mb = (7, 256.0) if quick else (30, 1024.0)
     dtypes = tuple(attention.DTYPES)
-    points = _call(attention.sweep, shapes=tuple(attention.SHAPES), dtypes=dtypes, tokens=tuple(tokens),
-                   repeats=repeats, working_set_mb=working_set_mb, device=str(device))
+    points = attention.sweep(shapes=tuple(attention.SHAPES), dtypes=dtypes, tokens=tuple(tokens),
+                             repeats=repeats, working_set_mb=working_set_mb, device=str(device))
     total = len(attention.SHAPES) * len(dtypes) * len(tokens) * 7  # rows per point, as bench_attention counts
     rows = []
     for r in _progress(points, total=total, desc="attention sweep"):

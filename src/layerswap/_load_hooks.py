@@ -246,7 +246,7 @@ def trim_heap() -> None:
 
 
 # CPU bytes quantized between two heap trims while loading. On a 325 MiB qwen2_moe nf4 load, trimming every 8 MiB kept
-# the peak at 457-487 MiB over 13 loads (without: 460-1620 MiB), for about 5% more load time; every weight, 27% more.
+# the peak at 458-487 MiB over 10 loads (without: 460-1620 MiB), for about 5% more load time; every weight, 27% more.
 TRIM_EVERY_BYTES = 8 << 20
 
 

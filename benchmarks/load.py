@@ -14,10 +14,10 @@ reports, above its RSS just before `from_pretrained`:
                        owns; the kernel can drop clean file pages);
 plus wall_s of `from_pretrained`, `get_memory_footprint()`, and held_storage_mib, the bytes of the distinct
 storages behind the weights (a bundle that split a fused checkpoint into copies would hold them twice).
-Quantizing on CPU frees a transient per weight, which glibc may keep on the heap (see docs/troubleshooting.md):
-the peak then varies from run to run by up to the checkpoint's size several times over, so read medians. A bundle that held the experts twice would show
-about twice stock's anonymous memory. Stock and bundle loads alternate, so a busy machine slows both alike: read
-the ratios (metric `<name>_ratio`, provider `qwen2_moe-quant/stock`).
+A bundle that held the experts twice would show about twice stock's anonymous memory. (Quantizing on CPU leaves a
+freed transient per weight, which glibc keeps on the heap unless trimmed; layerswap trims it while loading, see
+docs/troubleshooting.md, so a peak far above the median points at that.) Stock and bundle loads alternate, so a
+busy machine slows both alike: read the ratios (metric `<name>_ratio`, provider `qwen2_moe-quant/stock`).
 """
 
 from __future__ import annotations

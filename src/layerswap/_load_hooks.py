@@ -198,10 +198,11 @@ def _make_guarded_finalize(original: staticmethod) -> staticmethod:
     finalize = original.__func__
 
     def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
-        _raise_on_missing_swapped_weights(model, load_config, loading_info)
+        swapped = swapped_modules(model)  # one walk of the module tree for every check below
+        _raise_on_missing_swapped_weights(swapped, load_config, loading_info)
         result = finalize(model, load_config, loading_info)
-        _warn_on_bundles_that_swapped_nothing(model)
-        if getattr(load_config, "hf_quantizer", None) is not None and swapped_modules(model):
+        _warn_on_bundles_that_swapped_nothing(model, swapped)
+        if getattr(load_config, "hf_quantizer", None) is not None and swapped:
             _save_quantized_layers_as_loaded(model)
             trim_heap()
         return result
@@ -297,8 +298,10 @@ def swapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if hasattr(type(m), "_layerswap_original")]
 
 
-def _raise_on_missing_swapped_weights(model: nn.Module, load_config: Any, loading_info: Any) -> None:
-    prefixes = [name + "." for name, module in swapped_modules(model) if getattr(module, "_layerswap_strict", False)]
+def _raise_on_missing_swapped_weights(
+    swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
+) -> None:
+    prefixes = [name + "." for name, module in swapped if getattr(module, "_layerswap_strict", False)]
     if not prefixes:
         return
     missing = sorted(k for k in loading_info.missing_keys if any(k.startswith(p) for p in prefixes))
@@ -319,12 +322,12 @@ def _raise_on_missing_swapped_weights(model: nn.Module, load_config: Any, loadin
     )
 
 
-def _warn_on_bundles_that_swapped_nothing(model: nn.Module) -> None:
+def _warn_on_bundles_that_swapped_nothing(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
     """Warn when no enabled bundle swapped anything (the wrong family was loaded), or when a bundle made for this
     model's type swapped nothing (its classes are not the ones this model uses)."""
     from ._registry import enabled_records
 
-    swapped_classes = {type(m) for _, m in swapped_modules(model)}
+    swapped_classes = {type(m) for _, m in swapped}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     records = [(bundle, replacements) for bundle, _, replacements in enabled_records() if replacements]
     idle = [bundle for bundle, replacements in records if not swapped_classes & replacements]
@@ -356,8 +359,9 @@ def _make_skip_aware_modules_to_not_convert(original: staticmethod) -> staticmet
 
 def _make_checked_preprocess_model(original: Any) -> Any:
     def preprocess_model(self: HfQuantizer, model: Any, *args: Any, **kwargs: Any) -> Any:
-        _refuse_incompatible_quantizer(self, model)
-        if swapped_modules(model):
+        swapped = swapped_modules(model)
+        _refuse_incompatible_quantizer(self, swapped)
+        if swapped:
             _quantize_one_weight_per_call(self)
         return original(self, model, *args, **kwargs)
 
@@ -384,10 +388,10 @@ def keep_unquantized_modules(model: nn.Module) -> list[str]:
     ]
 
 
-def _refuse_incompatible_quantizer(quantizer: HfQuantizer, model: nn.Module) -> None:
+def _refuse_incompatible_quantizer(quantizer: HfQuantizer, swapped: list[tuple[str, nn.Module]]) -> None:
     if type(quantizer).__name__ != "FineGrainedFP8HfQuantizer":
         return
-    experts = [name for name, m in swapped_modules(model) if name.endswith(".experts") and isinstance(m, nn.ModuleList)]
+    experts = [name for name, m in swapped if name.endswith(".experts") and isinstance(m, nn.ModuleList)]
     if experts:
         raise IncompatibleQuantizerError(
             "transformers' finegrained_fp8 quantizer replaces every module named '*.experts' with its own fused "

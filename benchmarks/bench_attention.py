@@ -3,8 +3,8 @@
     python benchmarks/bench_attention.py [--csv out.csv] [--tokens 1 16] [--dtypes bf16] [--threads 1] [--device cuda]
     pytest benchmarks/bench_attention.py --benchmark-enable    # a few points, as pytest-benchmark cases
 
-Shapes: Llama-3.2-1B and Qwen3-30B-A3B from model_shapes.json (../shared/model_shapes.json from the repo root,
-or $LAYERSWAP_MODEL_SHAPES); fp32 and bf16; batch 1, T tokens, no cache, sdpa. Two kernels: `qkv_proj` (the three
+Shapes: Llama-3.2-1B and Qwen3-30B-A3B from model_shapes.json (shipped in layerswap/data;
+$LAYERSWAP_MODEL_SHAPES overrides it); fp32 and bf16; batch 1, T tokens, no cache, sdpa. Two kernels: `qkv_proj` (the three
 stock projections vs `project_qkv`) and `attention` (the whole module forward). Stock and fused take turns
 sample by sample, so a busy machine slows both alike: read the fused/stock ratios (median and p20/p80 of the
 per-round ratios), not raw times across runs. For `qkv_proj` the run also measures this machine's limit,
@@ -18,9 +18,7 @@ import argparse
 import csv
 import importlib
 import itertools
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,20 +38,13 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from layerswap._bundle import BundleOptions  # noqa: E402
 from layerswap.adapters.attention import FusedQKVAttention, fused_qkv_adapter  # noqa: E402
+from layerswap.shapes import model_shape  # noqa: E402
 
 SHAPES = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen3-30B-A3B")
 TOKENS = (1, 4, 16, 64, 512)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ATTENTION_CLASS = {"llama": "LlamaAttention", "qwen3_moe": "Qwen3MoeAttention"}
-_DEFAULT_SHAPES_FILE = REPO_ROOT / ".." / "shared" / "model_shapes.json"
 CSV_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
-
-
-def load_shapes() -> dict[str, dict[str, Any]]:
-    path = Path(os.environ.get("LAYERSWAP_MODEL_SHAPES", _DEFAULT_SHAPES_FILE))
-    if not path.is_file():
-        raise SystemExit(f"model shapes file {path} not found; set LAYERSWAP_MODEL_SHAPES to model_shapes.json")
-    return json.loads(path.read_text())
 
 
 @dataclass
@@ -78,8 +69,9 @@ def _layer_bytes(config: Any, dtype: torch.dtype) -> int:
 def build_layers(
     shape_name: str, dtype: torch.dtype, working_set_mb: float, seed: int = 0, device: str = "cpu"
 ) -> Layers:
-    fields = {k: v for k, v in load_shapes()[shape_name].items() if k not in ("model_type", "torch_dtype")}
-    model_type = load_shapes()[shape_name]["model_type"]
+    fields = model_shape(shape_name)
+    model_type = fields.pop("model_type")
+    fields.pop("torch_dtype", None)
     config = AutoConfig.for_model(model_type, **fields)
     config._attn_implementation = "sdpa"
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -115,7 +107,9 @@ def _fused_qkv(module: FusedQKVAttention, x: torch.Tensor) -> tuple[torch.Tensor
 def workloads(layers: Layers, tokens: int, seed: int = 1) -> dict[tuple[str, str], Callable[[], Any]]:
     generator = torch.Generator().manual_seed(seed)
     device = layers.stock[0].q_proj.weight.device
-    x = torch.randn(1, tokens, layers.config.hidden_size, generator=generator).to(device=device, dtype=layers.dtype)
+    x = torch.randn(1, tokens, layers.config.hidden_size, generator=generator).to(
+        device=device, dtype=layers.dtype
+    )
     cos, sin = layers.rotary(x, torch.arange(tokens, device=device)[None])
     pe = (cos.to(layers.dtype), sin.to(layers.dtype))
     cycles = {name: itertools.cycle(getattr(layers, name)) for name in ("stock", "fused")}
@@ -142,7 +136,9 @@ def _inner_loops(function: Callable[[], Any], device: str, target_s: float = 0.0
     return max(1, min(200, int(target_s / elapsed)))
 
 
-def measure(functions: dict[str, Callable[[], Any]], repeats: int, device: str = "cpu") -> dict[str, list[float]]:
+def measure(
+    functions: dict[str, Callable[[], Any]], repeats: int, device: str = "cpu"
+) -> dict[str, list[float]]:
     """Per-call milliseconds, `repeats` samples each; the providers take turns inside every round. On CUDA each
     sample is bracketed by synchronisations."""
     with torch.inference_mode():
@@ -177,7 +173,9 @@ def machine_limits(dtype: torch.dtype, working_set_mb: float, device: str = "cpu
         source = torch.empty(numel, dtype=dtype, device=device).normal_()
         target = torch.empty_like(source)
         a, b = (torch.randn(2048, 2048, dtype=dtype, device=device) for _ in range(2))
-        samples = measure({"copy": lambda: target.copy_(source), "gemm": lambda: a @ b}, repeats=7, device=device)
+        samples = measure(
+            {"copy": lambda: target.copy_(source), "gemm": lambda: a @ b}, repeats=7, device=device
+        )
     copy_ms, gemm_ms = (statistics.median(samples[name]) for name in ("copy", "gemm"))
     return 2 * source.numel() * dtype.itemsize / copy_ms, 2 * 2048**3 / gemm_ms
 
@@ -196,7 +194,11 @@ def device_label(device: str) -> str:
 
 
 def sweep(
-    shapes: tuple[str, ...], dtypes: tuple[str, ...], tokens: tuple[int, ...], repeats: int, working_set_mb: float,
+    shapes: tuple[str, ...],
+    dtypes: tuple[str, ...],
+    tokens: tuple[int, ...],
+    repeats: int,
+    working_set_mb: float,
     device: str = "cpu",
 ) -> Iterator[dict]:
     label = device_label(device)
@@ -216,12 +218,26 @@ def sweep(
                         ("fused/stock", ratios, "ratio"),
                     ):
                         median, p20, p80 = _quantiles(values)
-                        yield dict(kernel=kernel, provider=provider, metric=metric, median=median, p20=p20,
-                                   p80=p80, **common)
+                        yield dict(
+                            kernel=kernel,
+                            provider=provider,
+                            metric=metric,
+                            median=median,
+                            p20=p20,
+                            p80=p80,
+                            **common,
+                        )
                     if kernel == "qkv_proj":
                         limit = roofline_ms(layers, t, limits)
-                        yield dict(kernel=kernel, provider="roofline", metric="ms", median=limit, p20=limit,
-                                   p80=limit, **common)
+                        yield dict(
+                            kernel=kernel,
+                            provider="roofline",
+                            metric="ms",
+                            median=limit,
+                            p20=limit,
+                            p80=limit,
+                            **common,
+                        )
             del layers
 
 
@@ -234,22 +250,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--working-set-mb", type=float, default=1024,
-                        help="weights cycled through per provider; above the CPU's last-level cache (default 1024)")
+    parser.add_argument(
+        "--working-set-mb",
+        type=float,
+        default=1024,
+        help="weights cycled through per provider; above the CPU's last-level cache (default 1024)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         from tqdm import tqdm
     except ImportError:  # the bench extra brings tqdm; without it, no progress bar
+
         def tqdm(iterable: Any, **_: Any) -> Any:
             return iterable
+
     rows = []
     total = len(args.shapes) * len(args.dtypes) * len(args.tokens) * 7
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is present (torch.cuda.is_available() is False)")
-    points = sweep(tuple(args.shapes), tuple(args.dtypes), tuple(args.tokens), args.repeats, args.working_set_mb,
-                   args.device)
+    points = sweep(
+        tuple(args.shapes),
+        tuple(args.dtypes),
+        tuple(args.tokens),
+        args.repeats,
+        args.working_set_mb,
+        args.device,
+    )
     for row in tqdm(points, total=total):
         rows.append(row)
     with args.csv.open("w", newline="") as handle:
@@ -257,8 +285,10 @@ def main(argv: list[str] | None = None) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"{rows[0]['device']}; ms are medians, the ratio is the median [p20, p80] of per-round fused/stock")
-    print(f"{'kernel':<10} {'shape':<14} {'dtype':<5} {'T':>4}  {'stock ms':>9} {'fused ms':>9} {'limit ms':>9}"
-          "  fused/stock")
+    print(
+        f"{'kernel':<10} {'shape':<14} {'dtype':<5} {'T':>4}  {'stock ms':>9} {'fused ms':>9} {'limit ms':>9}"
+        "  fused/stock"
+    )
     by_key = {(r["kernel"], r["shape"], r["dtype"], r["T"], r["provider"]): r for r in rows}
     for r in rows:
         if r["provider"] != "fused/stock":
@@ -267,8 +297,10 @@ def main(argv: list[str] | None = None) -> None:
         stock, fused = by_key[(*key, "stock")]["median"], by_key[(*key, "fused")]["median"]
         limit = by_key.get((*key, "roofline"), {}).get("median")
         limit_text = f"{limit:>9.3f}" if limit is not None else f"{'':>9}"
-        print(f"{r['kernel']:<10} {r['shape'].split('/')[-1][:14]:<14} {r['dtype']:<5} {r['T']:>4}  {stock:>9.3f} "
-              f"{fused:>9.3f} {limit_text}  {r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]")
+        print(
+            f"{r['kernel']:<10} {r['shape'].split('/')[-1][:14]:<14} {r['dtype']:<5} {r['T']:>4}  {stock:>9.3f} "
+            f"{fused:>9.3f} {limit_text}  {r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]"
+        )
     print(f"wrote {args.csv}", file=sys.stderr)
 
 
@@ -286,7 +318,9 @@ if pytest is not None:
     @pytest.mark.parametrize("tokens", [1, 64])
     @pytest.mark.parametrize("dtype_name", list(DTYPES))
     @pytest.mark.parametrize("shape", SHAPES)
-    def test_attention(benchmark: Any, shape: str, dtype_name: str, tokens: int, kernel: str, provider: str) -> None:
+    def test_attention(
+        benchmark: Any, shape: str, dtype_name: str, tokens: int, kernel: str, provider: str
+    ) -> None:
         benchmark.group = f"{kernel} {shape} {dtype_name} T={tokens}"
         # One layer (fits in cache): these cases track regressions; main() measures from memory.
         layers = build_layers(shape, DTYPES[dtype_name], working_set_mb=0)

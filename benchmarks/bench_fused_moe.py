@@ -5,7 +5,7 @@
     pytest benchmarks/bench_fused_moe.py --benchmark-enable  # small pytest-benchmark suite
 
 One experts module (`<Family>Experts`, weights from torch.randn, never downloaded) per shape from
-model_shapes.json (../shared/model_shapes.json from the repo root, or $LAYERSWAP_MODEL_SHAPES). Providers:
+model_shapes.json (shipped in layerswap/data; $LAYERSWAP_MODEL_SHAPES overrides it). Providers:
 stock eager, grouped_mm, batched_mm, and layerswap (`fused_experts_forward` -> `fused_moe`, backend
 chosen automatically: Triton on CUDA, the PyTorch path on CPU). In the same run
 it measures the machine's memory bandwidth and plain-GEMM throughput, and reports each time as a ratio to the
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
-import json
 import os
 import random
 import statistics
@@ -40,6 +39,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT / "src"))
 
 from layerswap.adapters.fused_experts import fused_experts_forward  # noqa: E402
+from layerswap.shapes import model_shape  # noqa: E402
 
 SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 STOCK = ("eager", "grouped_mm", "batched_mm")
@@ -65,22 +65,21 @@ class ExpertsShape:
         return num_tokens * self.top_k * 3 * 2 * self.hidden * self.intermediate
 
 
-def model_shapes_path() -> Path:
-    return Path(os.environ.get("LAYERSWAP_MODEL_SHAPES", REPO_ROOT.parent / "shared" / "model_shapes.json"))
-
-
 def load_shapes(names: Sequence[str]) -> list[ExpertsShape]:
-    path = model_shapes_path()
-    if not path.exists():
-        raise SystemExit(f"model shapes not found at {path}; set LAYERSWAP_MODEL_SHAPES to the JSON file")
-    table = json.loads(path.read_text())
     shapes = []
     for name in names:
-        config = table[SHAPES[name]]
-        shapes.append(ExpertsShape(
-            name, config["model_type"], config["num_experts"], config["num_experts_per_tok"],
-            config["hidden_size"], config["moe_intermediate_size"], config.get("hidden_act", "silu"),
-        ))
+        config = model_shape(SHAPES[name])
+        shapes.append(
+            ExpertsShape(
+                name,
+                config["model_type"],
+                config["num_experts"],
+                config["num_experts_per_tok"],
+                config["hidden_size"],
+                config["moe_intermediate_size"],
+                config.get("hidden_act", "silu"),
+            )
+        )
     return shapes
 
 
@@ -88,7 +87,9 @@ def experts_class(model_type: str) -> type[nn.Module]:
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     found = [v for k, v in vars(module).items() if k.endswith("Experts") and isinstance(v, type)]
     if len(found) != 1:
-        raise SystemExit(f"expected one *Experts class in {module.__name__}, found {[c.__name__ for c in found]}")
+        raise SystemExit(
+            f"expected one *Experts class in {module.__name__}, found {[c.__name__ for c in found]}"
+        )
     return found[0]
 
 
@@ -96,8 +97,12 @@ def build_experts(shape: ExpertsShape, dtype: torch.dtype, device: torch.device)
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(
-        shape.model_type, hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate,
-        num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, hidden_act=shape.hidden_act,
+        shape.model_type,
+        hidden_size=shape.hidden,
+        moe_intermediate_size=shape.intermediate,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.top_k,
+        hidden_act=shape.hidden_act,
     )
     with torch.device("meta"):  # no fp32 staging copy of the 1-2.5 GB of weights
         experts = experts_class(shape.model_type)(config)
@@ -152,8 +157,12 @@ def _time_one_ms(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(
-    calls: dict[str, Callable[[int], object]], device: torch.device, reps: int, budget_s: float,
-    between: Callable[[], object] | None = None, max_reps: int = 200,
+    calls: dict[str, Callable[[int], object]],
+    device: torch.device,
+    reps: int,
+    budget_s: float,
+    between: Callable[[], object] | None = None,
+    max_reps: int = 200,
 ) -> dict[str, list[float]]:
     """Per-call ms for each provider, taking turns call by call (in an order shuffled every round), so
     that load from other processes on a shared machine hits every provider alike and the ratios stay
@@ -210,7 +219,9 @@ class MachineLimits:
     bandwidth_gbs: float
     gemm_gflops: dict[torch.dtype, float]
 
-    def roofline_ms(self, shape: ExpertsShape, dtype: torch.dtype, num_tokens: int, active_experts: float) -> float:
+    def roofline_ms(
+        self, shape: ExpertsShape, dtype: torch.dtype, num_tokens: int, active_experts: float
+    ) -> float:
         memory = active_experts * shape.expert_bytes(dtype) / self.bandwidth_gbs / 1e6
         compute = shape.flops(num_tokens) / self.gemm_gflops[dtype] / 1e6
         return max(memory, compute)
@@ -226,8 +237,9 @@ def measure_machine(dtypes: Sequence[torch.dtype], device: torch.device) -> Mach
     numel = (256 if device.type == "cuda" else 128) * 2**20  # 1 GiB / 512 MiB of fp32
     buffer = torch.randn(numel, device=device)
     vector = torch.randn(8192, device=device)
-    read_ms = min(_median_ms(buffer.sum, device),
-                  _median_ms(lambda: torch.mv(buffer.view(-1, 8192), vector), device))
+    read_ms = min(
+        _median_ms(buffer.sum, device), _median_ms(lambda: torch.mv(buffer.view(-1, 8192), vector), device)
+    )
     gemm = {}
     for dtype in dtypes:
         n = 8192 if device.type == "cuda" else (2048 if dtype == torch.float32 else 4096)
@@ -239,13 +251,37 @@ def measure_machine(dtypes: Sequence[torch.dtype], device: torch.device) -> Mach
 
 def row(kernel, provider, shape, dtype, tokens, metric, stats, device) -> dict[str, object]:
     median, p20, p80 = stats
-    return dict(zip(CSV_FIELDS, (kernel, provider, shape, str(dtype).removeprefix("torch."), tokens, metric,
-                                 f"{median:.6g}", f"{p20:.6g}", f"{p80:.6g}", device), strict=True))
+    return dict(
+        zip(
+            CSV_FIELDS,
+            (
+                kernel,
+                provider,
+                shape,
+                str(dtype).removeprefix("torch."),
+                tokens,
+                metric,
+                f"{median:.6g}",
+                f"{p20:.6g}",
+                f"{p80:.6g}",
+                device,
+            ),
+            strict=True,
+        )
+    )
 
 
 def case_rows(
-    experts: nn.Module, shape: ExpertsShape, dtype: torch.dtype, num_tokens: int, providers: Sequence[str],
-    limits: MachineLimits, device: torch.device, reps: int, budget_s: float, gather_limit_gib: float,
+    experts: nn.Module,
+    shape: ExpertsShape,
+    dtype: torch.dtype,
+    num_tokens: int,
+    providers: Sequence[str],
+    limits: MachineLimits,
+    device: torch.device,
+    reps: int,
+    budget_s: float,
+    gather_limit_gib: float,
     flush: CacheFlush,
 ) -> list[dict[str, object]]:
     """Latency, ratio to the best stock backend and roofline share of every provider at one (shape, dtype, T)."""
@@ -258,8 +294,11 @@ def case_rows(
         # past the limit it takes seconds per call and its allocations disturb the providers timed after it.
         gathered = num_tokens * shape.top_k * shape.expert_bytes(dtype)
         if provider == "batched_mm" and gathered > gather_limit_gib * 2**30:
-            print(f"# skip batched_mm {shape.name} {dtype} T={num_tokens}: it would gather "
-                  f"{gathered / 2**30:.1f} GiB of weights", file=sys.stderr)
+            print(
+                f"# skip batched_mm {shape.name} {dtype} T={num_tokens}: it would gather "
+                f"{gathered / 2**30:.1f} GiB of weights",
+                file=sys.stderr,
+            )
             continue
         fn = provider_fn(provider)
         calls[provider] = lambda i, fn=fn: fn(experts, *draws[i % ROUTING_DRAWS])
@@ -271,41 +310,78 @@ def case_rows(
     rows = [row("moe_experts", "roofline", *where, "ms", (roofline,) * 3, limits.device_name)]
     best_stock = min((stats[p][0] for p in STOCK if p in stats), default=None)
     for provider, (median, p20, p80) in stats.items():
-        rows.append(row("moe_experts", provider, *where, "latency_ms", (median, p20, p80), limits.device_name))
+        rows.append(
+            row("moe_experts", provider, *where, "latency_ms", (median, p20, p80), limits.device_name)
+        )
         share = (roofline / median, roofline / p80, roofline / p20)
         rows.append(row("moe_experts", provider, *where, "roofline_share", share, limits.device_name))
         if best_stock is not None:
             ratio = (median / best_stock, p20 / best_stock, p80 / best_stock)
-            rows.append(row("moe_experts", provider, *where, "ratio_vs_best_stock", ratio, limits.device_name))
+            rows.append(
+                row("moe_experts", provider, *where, "ratio_vs_best_stock", ratio, limits.device_name)
+            )
     return rows
 
 
 def sweep(
-    shapes: Sequence[ExpertsShape], dtypes: Sequence[torch.dtype], tokens: Sequence[int],
-    providers: Sequence[str], device: torch.device, reps: int, budget_s: float, gather_limit_gib: float,
+    shapes: Sequence[ExpertsShape],
+    dtypes: Sequence[torch.dtype],
+    tokens: Sequence[int],
+    providers: Sequence[str],
+    device: torch.device,
+    reps: int,
+    budget_s: float,
+    gather_limit_gib: float,
     flush_mib: int,
 ) -> list[dict[str, object]]:
     limits = measure_machine(dtypes, device)
     flush = CacheFlush(device, flush_mib)
-    print(f"# {limits.device_name}: {limits.bandwidth_gbs:.1f} GB/s; "
-          + ", ".join(f"{d}: {g:.0f} GFLOP/s" for d, g in limits.gemm_gflops.items()))
-    rows = [row("machine", "memory_bandwidth", "-", "-", "-", "GB/s", (limits.bandwidth_gbs,) * 3,
-                limits.device_name)]
-    rows += [row("machine", "gemm", "-", d, "-", "GFLOP/s", (g,) * 3, limits.device_name)
-             for d, g in limits.gemm_gflops.items()]
+    print(
+        f"# {limits.device_name}: {limits.bandwidth_gbs:.1f} GB/s; "
+        + ", ".join(f"{d}: {g:.0f} GFLOP/s" for d, g in limits.gemm_gflops.items())
+    )
+    rows = [
+        row(
+            "machine",
+            "memory_bandwidth",
+            "-",
+            "-",
+            "-",
+            "GB/s",
+            (limits.bandwidth_gbs,) * 3,
+            limits.device_name,
+        )
+    ]
+    rows += [
+        row("machine", "gemm", "-", d, "-", "GFLOP/s", (g,) * 3, limits.device_name)
+        for d, g in limits.gemm_gflops.items()
+    ]
     try:
         from tqdm import tqdm
     except ImportError:
+
         def tqdm(iterable, **_):
             return iterable
+
     cases = [(s, d, t) for s in shapes for d in dtypes for t in tokens]
     experts, built_for = None, None
     for shape, dtype, num_tokens in tqdm(cases, desc="fused_moe sweep", file=sys.stderr):
         if built_for != (shape, dtype):
             experts = None  # free the previous 1-2.5 GB before building the next
             experts, built_for = build_experts(shape, dtype, device), (shape, dtype)
-        rows += case_rows(experts, shape, dtype, num_tokens, providers, limits, device, reps, budget_s,
-                          gather_limit_gib, flush)
+        rows += case_rows(
+            experts,
+            shape,
+            dtype,
+            num_tokens,
+            providers,
+            limits,
+            device,
+            reps,
+            budget_s,
+            gather_limit_gib,
+            flush,
+        )
     return rows
 
 
@@ -314,14 +390,21 @@ def print_table(rows: Sequence[dict[str, object]]) -> None:
     table: dict[tuple, dict[str, dict[str, object]]] = {}
     for r in rows:
         if r["kernel"] == "moe_experts":
-            table.setdefault((r["shape"], r["dtype"], r["T"]), {}).setdefault(r["provider"], {})[r["metric"]] = r["median"]
-    print(f"{'shape':18} {'dtype':9} {'T':>5} | " + " ".join(f"{p:>10}" for p in PROVIDERS)
-          + f" | {'roofline':>8} | {'vs best stock':>13} {'roofline share':>14}")
+            table.setdefault((r["shape"], r["dtype"], r["T"]), {}).setdefault(r["provider"], {})[
+                r["metric"]
+            ] = r["median"]
+    print(
+        f"{'shape':18} {'dtype':9} {'T':>5} | "
+        + " ".join(f"{p:>10}" for p in PROVIDERS)
+        + f" | {'roofline':>8} | {'vs best stock':>13} {'roofline share':>14}"
+    )
     for (shape, dtype, tokens), by_provider in table.items():
         ms = " ".join(f"{by_provider.get(p, {}).get('latency_ms', '-'):>10}" for p in PROVIDERS)
         ours = by_provider.get("layerswap", {})
-        print(f"{shape:18} {dtype:9} {tokens:>5} | {ms} | {by_provider['roofline']['ms']:>8} | "
-              f"{ours.get('ratio_vs_best_stock', '-'):>13} {ours.get('roofline_share', '-'):>14}")
+        print(
+            f"{shape:18} {dtype:9} {tokens:>5} | {ms} | {by_provider['roofline']['ms']:>8} | "
+            f"{ours.get('ratio_vs_best_stock', '-'):>13} {ours.get('roofline_share', '-'):>14}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -332,22 +415,47 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5, help="at least this many timed calls per provider")
-    parser.add_argument("--budget", type=float, default=6.0,
-                        help="then more calls (up to 200) while this many seconds last, per shape, dtype and T")
-    parser.add_argument("--batched-mm-limit-gib", type=float, default=1.0,
-                        help="skip batched_mm where its gathered weight copy would exceed this")
-    parser.add_argument("--flush-mib", type=int, default=512,
-                        help="cache-flush buffer written before each timed call (0: no flush)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=6.0,
+        help="then more calls (up to 200) while this many seconds last, per shape, dtype and T",
+    )
+    parser.add_argument(
+        "--batched-mm-limit-gib",
+        type=float,
+        default=1.0,
+        help="skip batched_mm where its gathered weight copy would exceed this",
+    )
+    parser.add_argument(
+        "--flush-mib",
+        type=int,
+        default=512,
+        help="cache-flush buffer written before each timed call (0: no flush)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine",
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-out" / "fused_moe.csv")
     args = parser.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtypes = [getattr(torch, name) for name in args.dtypes]
-    rows = sweep(load_shapes(args.shapes), dtypes, args.tokens, args.providers, torch.device(args.device),
-                 args.reps, args.budget, args.batched_mm_limit_gib, args.flush_mib)
+    rows = sweep(
+        load_shapes(args.shapes),
+        dtypes,
+        args.tokens,
+        args.providers,
+        torch.device(args.device),
+        args.reps,
+        args.budget,
+        args.batched_mm_limit_gib,
+        args.flush_mib,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)

@@ -64,10 +64,19 @@ def make_checkpoint(shape: CheckpointShape, directory: Path, layout: str = "per-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen2_moe", hidden_size=shape.hidden, intermediate_size=2 * shape.moe_intermediate,
-        moe_intermediate_size=shape.moe_intermediate, shared_expert_intermediate_size=shape.moe_intermediate,
-        num_experts=shape.experts, num_experts_per_tok=4, num_hidden_layers=shape.layers, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=shape.vocab, max_position_embeddings=256, tie_word_embeddings=False,
+        "qwen2_moe",
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.moe_intermediate,
+        moe_intermediate_size=shape.moe_intermediate,
+        shared_expert_intermediate_size=shape.moe_intermediate,
+        num_experts=shape.experts,
+        num_experts_per_tok=4,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=shape.vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -111,7 +120,10 @@ def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
     sys.path.insert(0, str(REPO_ROOT / "src"))
     import layerswap
 
-    quantization = {"nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, "int8": {"load_in_8bit": True}}
+    quantization = {
+        "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+        "int8": {"load_in_8bit": True},
+    }
     kwargs = {"dtype": torch.bfloat16, "device_map": {"": device}}
     if scheme in quantization:
         kwargs["quantization_config"] = BitsAndBytesConfig(**quantization[scheme])
@@ -122,8 +134,10 @@ def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     wall_s = time.perf_counter() - started
     # Bytes of the distinct storages behind the weights: what the model holds, whatever the allocator keeps.
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in (*model.parameters(), *model.buffers())}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (*model.parameters(), *model.buffers())
+    }
     # Weights that need no conversion stay views of the mmapped checkpoint, resident only once read: read one
     # element per 4 KiB page of each, as a first forward pass would, so both loads count what they hold.
     with torch.no_grad():
@@ -147,7 +161,15 @@ def _child(directory: str, bundle: str, scheme: str, device: str) -> None:
 
 
 def _child_command(directory: Path, bundle: str, scheme: str, device: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--child", str(directory), bundle or "-", scheme, device]
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        str(directory),
+        bundle or "-",
+        scheme,
+        device,
+    ]
 
 
 def _child_env() -> dict[str, str]:
@@ -164,17 +186,30 @@ def _parse(stdout: str, stderr: str, returncode: int, what: str) -> dict:
 def load_once(directory: Path, bundle: str, scheme: str, device: str = "cpu", timeout_s: float = 600) -> dict:
     """One from_pretrained in a fresh subprocess: wall_s, peak_rss_mib, load_peak_rss_mib, resident_after_mib,
     footprint_mib (and cuda_peak_mib on CUDA)."""
-    done = subprocess.run(_child_command(directory, bundle, scheme, device), capture_output=True, text=True,
-                          env=_child_env(), timeout=timeout_s, check=False)
-    return _parse(done.stdout, done.stderr, done.returncode, f"{directory}, bundle {bundle or 'none'}, {scheme}")
+    done = subprocess.run(
+        _child_command(directory, bundle, scheme, device),
+        capture_output=True,
+        text=True,
+        env=_child_env(),
+        timeout=timeout_s,
+        check=False,
+    )
+    return _parse(
+        done.stdout, done.stderr, done.returncode, f"{directory}, bundle {bundle or 'none'}, {scheme}"
+    )
 
 
 def load_concurrently(jobs: Sequence[tuple[Path, str, str]], timeout_s: float = 300) -> list[dict]:
     """Several (directory, bundle, scheme) loads on CPU, each in its own process, all at once: for memory
     figures only (each process's peak RSS is its own; wall times would be skewed by the others)."""
     processes = [
-        subprocess.Popen(_child_command(d, b, s, "cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_child_env())
+        subprocess.Popen(
+            _child_command(d, b, s, "cpu"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_child_env(),
+        )
         for d, b, s in jobs
     ]
     results = []
@@ -192,15 +227,21 @@ def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def sweep(
-    shape: CheckpointShape, schemes: Sequence[str], loads: int, device: str = "cpu", progress: bool = True,
+    shape: CheckpointShape,
+    schemes: Sequence[str],
+    loads: int,
+    device: str = "cpu",
+    progress: bool = True,
     layouts: Sequence[str] = ("per-expert",),
 ) -> list[dict]:
     """Rows (kernel from_pretrained, provider stock / qwen2_moe-quant / quant/stock, one metric each)."""
     try:
         from tqdm import tqdm
     except ImportError:
+
         def tqdm(iterable, **_):
             return iterable
+
     bundle = "qwen2_moe-quant"
     rows = []
     for layout in layouts:
@@ -208,11 +249,16 @@ def sweep(
             directory = Path(tmp)
             size = make_checkpoint(shape, directory, layout)
             label = f"{shape.label} {layout} ({size / 2**20:.0f} MiB)"
-            jobs = [(scheme, provider) for scheme in schemes for _ in range(loads) for provider in ("", bundle)]
+            jobs = [
+                (scheme, provider) for scheme in schemes for _ in range(loads) for provider in ("", bundle)
+            ]
             results: dict[tuple[str, str], list[dict]] = {}
-            for scheme, provider in tqdm(jobs, desc=f"from_pretrained loads, {layout}", file=sys.stderr,
-                                         disable=not progress):
-                results.setdefault((scheme, provider), []).append(load_once(directory, provider, scheme, device))
+            for scheme, provider in tqdm(
+                jobs, desc=f"from_pretrained loads, {layout}", file=sys.stderr, disable=not progress
+            ):
+                results.setdefault((scheme, provider), []).append(
+                    load_once(directory, provider, scheme, device)
+                )
             rows += _rows(label, schemes, results, bundle)
     return rows
 
@@ -223,12 +269,30 @@ def _rows(label: str, schemes: Sequence[str], results: dict, bundle: str) -> lis
         stock, ours = results[(scheme, "")], results[(scheme, bundle)]
         for metric in stock[0]:
             for provider, samples in (("stock", stock), (bundle, ours)):
-                rows.append(dict(kernel="from_pretrained", provider=provider, shape=label, dtype=scheme,
-                                 tokens="-", metric=metric, stats=_quantiles([s[metric] for s in samples])))
+                rows.append(
+                    dict(
+                        kernel="from_pretrained",
+                        provider=provider,
+                        shape=label,
+                        dtype=scheme,
+                        tokens="-",
+                        metric=metric,
+                        stats=_quantiles([s[metric] for s in samples]),
+                    )
+                )
             ratios = [b[metric] / a[metric] for a, b in zip(stock, ours, strict=True) if a[metric] > 0]
             if ratios:
-                rows.append(dict(kernel="from_pretrained", provider=f"{bundle}/stock", shape=label, dtype=scheme,
-                                 tokens="-", metric=f"{metric}_ratio", stats=_quantiles(ratios)))
+                rows.append(
+                    dict(
+                        kernel="from_pretrained",
+                        provider=f"{bundle}/stock",
+                        shape=label,
+                        dtype=scheme,
+                        tokens="-",
+                        metric=f"{metric}_ratio",
+                        stats=_quantiles(ratios),
+                    )
+                )
     return rows
 
 
@@ -242,8 +306,10 @@ def print_table(rows: Sequence[dict]) -> None:
         if metric.endswith("_ratio"):
             continue
         ratio = table.get((shape, scheme, f"{metric}_ratio"), {}).get("qwen2_moe-quant/stock")
-        print(f"{shape:46} {scheme:6} {metric:18} {by['stock']:>9.2f} {by['qwen2_moe-quant']:>9.2f} "
-              f"{(f'{ratio:.3f}' if ratio is not None else '-'):>12}")
+        print(
+            f"{shape:46} {scheme:6} {metric:18} {by['stock']:>9.2f} {by['qwen2_moe-quant']:>9.2f} "
+            f"{(f'{ratio:.3f}' if ratio is not None else '-'):>12}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

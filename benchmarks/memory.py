@@ -51,16 +51,28 @@ def sweep(models: Sequence[str] | None = None, progress: bool = True) -> list[di
     try:
         from tqdm import tqdm
     except ImportError:
+
         def tqdm(iterable, **_):
             return iterable
+
     rows = []
-    for model_name in tqdm(list(models or load_model_shapes()), desc="memory table", file=sys.stderr,
-                           disable=not progress):
+    for model_name in tqdm(
+        list(models or load_model_shapes()), desc="memory table", file=sys.stderr, disable=not progress
+    ):
         for provider, by_scheme in footprints(model_name).items():
             for scheme, size in by_scheme.items():
                 gib = size / 2**30
-                rows.append(dict(kernel="weight_footprint", provider=provider, shape=model_name, dtype=scheme,
-                                 tokens="-", metric="GiB", stats=(gib, gib, gib)))
+                rows.append(
+                    dict(
+                        kernel="weight_footprint",
+                        provider=provider,
+                        shape=model_name,
+                        dtype=scheme,
+                        tokens="-",
+                        metric="GiB",
+                        stats=(gib, gib, gib),
+                    )
+                )
     return rows
 
 
@@ -72,12 +84,15 @@ def print_table(rows: Sequence[dict]) -> None:
     print("# weight footprint in GiB (as get_memory_footprint() counts it); bundle = <model_type>-quant")
     header = f"{'model':30} {'bf16':>7} | {'nf4 stock':>9} {'nf4 bundle':>10} | {'int8 stock':>10} {'int8 bundle':>11}"
     print(header)
+
     def cell(by: dict, key: tuple[str, str], width: int) -> str:
         return f"{by[key]:>{width}.2f}" if key in by else f"{'n/a':>{width}}"
 
     for model, by in table.items():
-        print(f"{model:30} {cell(by, ('stock', 'bf16'), 7)} | {cell(by, ('stock', 'nf4'), 9)} "
-              f"{cell(by, ('bundle', 'nf4'), 10)} | {cell(by, ('stock', 'int8'), 10)} {cell(by, ('bundle', 'int8'), 11)}")
+        print(
+            f"{model:30} {cell(by, ('stock', 'bf16'), 7)} | {cell(by, ('stock', 'nf4'), 9)} "
+            f"{cell(by, ('bundle', 'nf4'), 10)} | {cell(by, ('stock', 'int8'), 10)} {cell(by, ('bundle', 'int8'), 11)}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

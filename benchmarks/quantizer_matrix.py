@@ -70,10 +70,17 @@ and reloads with the same bundle to identical outputs (quanto models are not ser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "quantizers.md")
-    parser.add_argument("--schemes", nargs="*", choices=list(matrix.SCHEMES_BY_KEY), default=None,
-                        help="only these schemes (default: all)")
+    parser.add_argument(
+        "--schemes",
+        nargs="*",
+        choices=list(matrix.SCHEMES_BY_KEY),
+        default=None,
+        help="only these schemes (default: all)",
+    )
     args = parser.parse_args(argv)
 
     transformers_logging.set_verbosity_error()

@@ -40,7 +40,19 @@ except ImportError:  # a checkout without `pip install -e .`
 import torch  # noqa: E402
 
 SUITES = ("moe", "attention", "memory", "load")
-CSV_FIELDS = ("kernel", "provider", "shape", "dtype", "tokens", "metric", "median", "p20", "p80", "device", "versions")
+CSV_FIELDS = (
+    "kernel",
+    "provider",
+    "shape",
+    "dtype",
+    "tokens",
+    "metric",
+    "median",
+    "p20",
+    "p80",
+    "device",
+    "versions",
+)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -56,8 +68,18 @@ def versions() -> str:
 
 
 def _row(kernel, provider, shape, dtype, tokens, metric, median, p20, p80, device) -> dict:
-    return dict(kernel=kernel, provider=provider, shape=shape, dtype=str(dtype).removeprefix("torch."),
-                tokens=tokens, metric=metric, median=float(median), p20=float(p20), p80=float(p80), device=device)
+    return dict(
+        kernel=kernel,
+        provider=provider,
+        shape=shape,
+        dtype=str(dtype).removeprefix("torch."),
+        tokens=tokens,
+        metric=metric,
+        median=float(median),
+        p20=float(p20),
+        p80=float(p80),
+        device=device,
+    )
 
 
 # --- suites --------------------------------------------------------------------------------------------------
@@ -74,14 +96,34 @@ def run_moe(device: torch.device, quick: bool) -> list[dict]:
     if device.type == "cuda":
         reps, budget = (30, 1.0) if quick else (100, 3.0)
     gather_limit = 40.0 if device.type == "cuda" else 2.0
-    raw = moe.sweep(shapes=moe.load_shapes(list(moe.SHAPES)), dtypes=dtypes, tokens=tokens,
-                    providers=list(moe.PROVIDERS), device=device, reps=reps, budget_s=budget,
-                    gather_limit_gib=gather_limit, flush_mib=512)
+    raw = moe.sweep(
+        shapes=moe.load_shapes(list(moe.SHAPES)),
+        dtypes=dtypes,
+        tokens=tokens,
+        providers=list(moe.PROVIDERS),
+        device=device,
+        reps=reps,
+        budget_s=budget,
+        gather_limit_gib=gather_limit,
+        flush_mib=512,
+    )
     rows = []
     for r in raw:
         metric = "latency_ms" if r["metric"] == "ms" else r["metric"]  # the roofline row
-        rows.append(_row(r["kernel"], r["provider"], r["shape"], r["dtype"], r["T"], metric, r["median"], r["p20"],
-                         r["p80"], r["device"]))
+        rows.append(
+            _row(
+                r["kernel"],
+                r["provider"],
+                r["shape"],
+                r["dtype"],
+                r["T"],
+                metric,
+                r["median"],
+                r["p20"],
+                r["p80"],
+                r["device"],
+            )
+        )
     return rows
 
 
@@ -91,8 +133,14 @@ def run_attention(device: torch.device, quick: bool) -> list[dict]:
     tokens = (1, 16, 128) if quick else attention.TOKENS
     repeats, working_set_mb = (7, 256.0) if quick else (30, 1024.0)
     dtypes = tuple(attention.DTYPES)
-    points = attention.sweep(shapes=tuple(attention.SHAPES), dtypes=dtypes, tokens=tuple(tokens),
-                             repeats=repeats, working_set_mb=working_set_mb, device=str(device))
+    points = attention.sweep(
+        shapes=tuple(attention.SHAPES),
+        dtypes=dtypes,
+        tokens=tuple(tokens),
+        repeats=repeats,
+        working_set_mb=working_set_mb,
+        device=str(device),
+    )
     total = len(attention.SHAPES) * len(dtypes) * len(tokens) * 7  # rows per point, as bench_attention counts
     rows = []
     for r in _progress(points, total=total, desc="attention sweep"):
@@ -102,8 +150,20 @@ def run_attention(device: torch.device, quick: bool) -> list[dict]:
         elif provider == "fused/stock":
             provider, metric = "layerswap", "ratio_vs_stock"
         dtype = _DTYPE_NAMES.get(r["dtype"], r["dtype"])  # the names the moe suite uses
-        rows.append(_row(r["kernel"], provider, r["shape"], dtype, r["T"], metric, r["median"], r["p20"], r["p80"],
-                         r["device"]))
+        rows.append(
+            _row(
+                r["kernel"],
+                provider,
+                r["shape"],
+                dtype,
+                r["T"],
+                metric,
+                r["median"],
+                r["p20"],
+                r["p80"],
+                r["device"],
+            )
+        )
     return rows
 
 
@@ -112,19 +172,37 @@ def run_memory(device: torch.device, quick: bool) -> list[dict]:
 
     rows = memory.sweep()
     memory.print_table(rows)
-    return [_row(r["kernel"], r["provider"], r["shape"], r["dtype"], r["tokens"], r["metric"], *r["stats"],
-                 "meta (exact count)") for r in rows]
+    return [
+        _row(
+            r["kernel"],
+            r["provider"],
+            r["shape"],
+            r["dtype"],
+            r["tokens"],
+            r["metric"],
+            *r["stats"],
+            "meta (exact count)",
+        )
+        for r in rows
+    ]
 
 
 def run_load(device: torch.device, quick: bool) -> list[dict]:
     import load
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = load.sweep(load.CheckpointShape(), schemes=("bf16", "nf4"), loads=1 if quick else 3,
-                      device=str(device), layouts=load.LAYOUTS)
+    rows = load.sweep(
+        load.CheckpointShape(),
+        schemes=("bf16", "nf4"),
+        loads=1 if quick else 3,
+        device=str(device),
+        layouts=load.LAYOUTS,
+    )
     load.print_table(rows)
-    return [_row(r["kernel"], r["provider"], r["shape"], r["dtype"], r["tokens"], r["metric"], *r["stats"], where)
-            for r in rows]
+    return [
+        _row(r["kernel"], r["provider"], r["shape"], r["dtype"], r["tokens"], r["metric"], *r["stats"], where)
+        for r in rows
+    ]
 
 
 SUITE_RUNNERS: dict[str, Callable[[torch.device, bool], list[dict]]] = {
@@ -151,7 +229,9 @@ def write_csv(rows: Sequence[dict], path: Path, versions_text: str) -> None:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, **{k: f"{r[k]:.6g}" for k in ("median", "p20", "p80")}, "versions": versions_text})
+            writer.writerow(
+                {**r, **{k: f"{r[k]:.6g}" for k in ("median", "p20", "p80")}, "versions": versions_text}
+            )
 
 
 def _slug(text: str) -> str:
@@ -174,7 +254,8 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
             continue
         key = (r["kernel"], r["shape"], r["dtype"])
         curves.setdefault(key, {}).setdefault(r["provider"], []).append(
-            (int(r["tokens"]), r["median"], r["p20"], r["p80"]))
+            (int(r["tokens"]), r["median"], r["p20"], r["p80"])
+        )
     written = []
     for (kernel, shape, dtype), by_provider in curves.items():
         figure, axes = plt.subplots(figsize=(6.4, 4.2))
@@ -182,15 +263,18 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
             points.sort()
             x = [p[0] for p in points]
             style = {"linestyle": "--", "color": "grey"} if provider == "roofline" else {"marker": "o"}
-            line, = axes.plot(x, [p[1] for p in points], label=provider, **style)
+            (line,) = axes.plot(x, [p[1] for p in points], label=provider, **style)
             if provider != "roofline":
-                axes.fill_between(x, [p[2] for p in points], [p[3] for p in points], alpha=0.2,
-                                  color=line.get_color())
+                axes.fill_between(
+                    x, [p[2] for p in points], [p[3] for p in points], alpha=0.2, color=line.get_color()
+                )
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
         axes.set_xlabel("tokens")
         axes.set_ylabel("latency (ms, median; band p20-p80)")
-        device = next(r["device"] for r in rows if (r["kernel"], r["shape"], r["dtype"]) == (kernel, shape, dtype))
+        device = next(
+            r["device"] for r in rows if (r["kernel"], r["shape"], r["dtype"]) == (kernel, shape, dtype)
+        )
         axes.set_title(f"{kernel}: {shape}, {dtype}\n{device}", fontsize=9)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=8)
@@ -208,17 +292,22 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
 def _plot_memory(rows: Sequence[dict], out: Path, plt) -> Path:
     models = list(dict.fromkeys(r["shape"] for r in rows))
     bars = [("stock", "bf16"), ("stock", "nf4"), ("bundle", "nf4"), ("stock", "int8"), ("bundle", "int8")]
-    values = {(r["shape"], "stock" if r["provider"] == "stock" else "bundle", r["dtype"]): r["median"] for r in rows}
+    values = {
+        (r["shape"], "stock" if r["provider"] == "stock" else "bundle", r["dtype"]): r["median"] for r in rows
+    }
     figure, axes = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(bars)
     for i, (provider, scheme) in enumerate(bars):
         heights = [values.get((m, provider, scheme), math.nan) for m in models]
         label = f"{scheme} stock" if provider == "stock" else f"{scheme} with -quant"
         axes.bar([j + i * width for j in range(len(models))], heights, width, label=label)
-    axes.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], [m.split("/")[-1] for m in models],
-                    fontsize=8)
+    axes.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(models))], [m.split("/")[-1] for m in models], fontsize=8
+    )
     axes.set_ylabel("weight footprint (GiB)")
-    axes.set_title("bitsandbytes weight footprint, stock vs <model_type>-quant (exact, meta device)", fontsize=9)
+    axes.set_title(
+        "bitsandbytes weight footprint, stock vs <model_type>-quant (exact, meta device)", fontsize=9
+    )
     axes.legend(fontsize=8)
     figure.tight_layout()
     path = out / "weight_footprint.png"
@@ -229,26 +318,41 @@ def _plot_memory(rows: Sequence[dict], out: Path, plt) -> Path:
 
 def print_ratios(rows: Sequence[dict]) -> None:
     """The headline figures: layerswap's latency as a ratio to stock (below 1 is faster)."""
-    moe = [r for r in rows if r["kernel"] == "moe_experts" and r["metric"] == "ratio_vs_best_stock"
-           and r["provider"] == "layerswap"]
+    moe = [
+        r
+        for r in rows
+        if r["kernel"] == "moe_experts"
+        and r["metric"] == "ratio_vs_best_stock"
+        and r["provider"] == "layerswap"
+    ]
     if moe:
         print("# moe_experts: layerswap / best stock backend, median [p20, p80]")
         for r in moe:
-            print(f"  {r['shape']:18} {r['dtype']:9} T={r['tokens']:>5}  {r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]")
+            print(
+                f"  {r['shape']:18} {r['dtype']:9} T={r['tokens']:>5}  {r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]"
+            )
     attention = [r for r in rows if r["metric"] == "ratio_vs_stock"]
     if attention:
         print("# attention: fused_qkv (layerswap) / stock, median [p20, p80] of per-round ratios")
         for r in attention:
-            print(f"  {r['kernel']:10} {r['shape'].split('/')[-1]:14} {r['dtype']:9} T={r['tokens']:>4}  "
-                  f"{r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]")
+            print(
+                f"  {r['kernel']:10} {r['shape'].split('/')[-1]:14} {r['dtype']:9} T={r['tokens']:>4}  "
+                f"{r['median']:.3f} [{r['p20']:.3f}, {r['p80']:.3f}]"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="layerswap bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="layerswap bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-out"), help="output directory (default bench-out/)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer token counts and repetitions (minutes)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -257,9 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"layerswap bench: no CUDA device is present (torch {torch.__version__}: "
-              "torch.cuda.is_available() is False), so nothing was run. Use --device cpu, or run on a GPU machine.",
-              file=sys.stderr)
+        print(
+            f"layerswap bench: no CUDA device is present (torch {torch.__version__}: "
+            "torch.cuda.is_available() is False), so nothing was run. Use --device cpu, or run on a GPU machine.",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -267,13 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     suites = SUITES if args.suite == "all" else (args.suite,)
     args.out.mkdir(parents=True, exist_ok=True)
     versions_text = versions()
-    print(f"# {versions_text}; device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
-          f"({torch.get_num_threads()} threads); suites {', '.join(suites)}{'; quick' if args.quick else ''}")
+    print(
+        f"# {versions_text}; device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
+        f"({torch.get_num_threads()} threads); suites {', '.join(suites)}{'; quick' if args.quick else ''}"
+    )
     rows: list[dict] = []
     for suite in suites:
         print(f"# suite {suite}", file=sys.stderr)
         rows += SUITE_RUNNERS[suite](device, args.quick)
-        write_csv(rows, args.out / "results.csv", versions_text)  # after each suite: a late failure keeps the rest
+        write_csv(
+            rows, args.out / "results.csv", versions_text
+        )  # after each suite: a late failure keeps the rest
     plots = plot(rows, args.out)
     print_ratios(rows)
     print(f"# wrote {args.out / 'results.csv'} ({len(rows)} rows) and {len(plots)} plots in {args.out}")

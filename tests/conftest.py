@@ -23,6 +23,8 @@ def _leaves_global_state_as_found():
     _registry.disable_all()
     after = global_state()
     assert not leaked, f"test left bundles enabled: {leaked}"
-    assert not leaked_recorders(after), f"layerswap classes left in output recorders: {leaked_recorders(after)}"
+    assert not leaked_recorders(after), (
+        f"layerswap classes left in output recorders: {leaked_recorders(after)}"
+    )
     after = comparable(before, after)
     assert before == after, f"test changed global state: {describe_difference(before, after)}"

@@ -17,7 +17,13 @@ def _recorder_picture(value: Any) -> Any:
     if isinstance(value, list):
         return [_recorder_picture(v) for v in value]
     if isinstance(value, OutputRecorder):
-        return ("OutputRecorder", _class_picture(value.target_class), value.index, value.layer_name, value.class_name)
+        return (
+            "OutputRecorder",
+            _class_picture(value.target_class),
+            value.index,
+            value.layer_name,
+            value.class_name,
+        )
     return ("plain", _class_picture(value) if isinstance(value, type) else value)
 
 
@@ -25,7 +31,12 @@ def _class_picture(cls: Any) -> Any:
     if cls is None:
         return None
     # A layerswap class left in a recorder after disable is a leak even in a module first imported by the test.
-    return ("LAYERSWAP LEAK" if hasattr(cls, "_layerswap_original") else "", cls.__module__, cls.__qualname__, id(cls))
+    return (
+        "LAYERSWAP LEAK" if hasattr(cls, "_layerswap_original") else "",
+        cls.__module__,
+        cls.__qualname__,
+        id(cls),
+    )
 
 
 def _output_recorders() -> dict[str, Any]:
@@ -64,7 +75,9 @@ def comparable(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """`after`, less the recorder classes of modules first imported after `before` was taken (they cannot have
     a 'before'; their leaks still show, as 'LAYERSWAP LEAK' entries, through leaked_recorders)."""
     after = dict(after)
-    after["output_recorders"] = {k: v for k, v in after["output_recorders"].items() if k in before["output_recorders"]}
+    after["output_recorders"] = {
+        k: v for k, v in after["output_recorders"].items() if k in before["output_recorders"]
+    }
     return after
 
 

@@ -13,8 +13,13 @@ def test_attention_benchmark_sweep_runs_and_reports_every_provider():
     attention = benchmark_module("bench_attention")
     rows = list(attention.sweep(("meta-llama/Llama-3.2-1B",), ("fp32",), (1,), repeats=3, working_set_mb=0))
     assert {(r["kernel"], r["provider"]) for r in rows} == {
-        ("qkv_proj", "stock"), ("qkv_proj", "fused"), ("qkv_proj", "fused/stock"), ("qkv_proj", "roofline"),
-        ("attention", "stock"), ("attention", "fused"), ("attention", "fused/stock"),
+        ("qkv_proj", "stock"),
+        ("qkv_proj", "fused"),
+        ("qkv_proj", "fused/stock"),
+        ("qkv_proj", "roofline"),
+        ("attention", "stock"),
+        ("attention", "fused"),
+        ("attention", "fused/stock"),
     }
     assert all(r["median"] > 0 and r["p20"] <= r["median"] <= r["p80"] for r in rows)
 
@@ -25,8 +30,17 @@ def test_layerswap_bench_writes_a_csv_with_versions_and_a_plot(tmp_path):
     assert done.value.code == 0
     with (tmp_path / "results.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert rows and set(rows[0]) >= {"kernel", "provider", "shape", "metric", "median", "p20", "p80", "device",
-                                     "versions"}
+    assert rows and set(rows[0]) >= {
+        "kernel",
+        "provider",
+        "shape",
+        "metric",
+        "median",
+        "p20",
+        "p80",
+        "device",
+        "versions",
+    }
     assert "transformers" in rows[0]["versions"]
     assert (tmp_path / "weight_footprint.png").stat().st_size > 0
 

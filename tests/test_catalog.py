@@ -65,15 +65,31 @@ def test_every_text_group_a_family_is_covered_or_excluded_with_a_reason():
     covered = {f.model_type for f in FAMILIES if f.experts}
     group_a = _group_a_classes()
     text_families = {
-        name for name in group_a
+        name
+        for name in group_a
         if any(not c.endswith(("TextExperts", "TalkerTextExperts")) for c in group_a[name])
     }
     left_out = sorted(text_families - covered - set(NOT_IN_TABLE))
     assert not left_out, f"group-A families neither in the table nor excluded with a reason: {left_out}"
     assert len(covered) >= 32
-    assert {"qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "minimax", "olmoe", "deepseek_v2", "deepseek_v3",
-            "glm4_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "granitemoe", "phimoe", "jamba",
-            "exaone_moe"} <= covered
+    assert {
+        "qwen2_moe",
+        "qwen3_moe",
+        "qwen3_next",
+        "mixtral",
+        "minimax",
+        "olmoe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "glm4_moe",
+        "dots1",
+        "ernie4_5_moe",
+        "hunyuan_v1_moe",
+        "granitemoe",
+        "phimoe",
+        "jamba",
+        "exaone_moe",
+    } <= covered
 
 
 def test_every_moe_row_has_a_quant_bundle():

@@ -24,7 +24,9 @@ def test_docs_bundles_md_is_generated_from_the_registry(capsys):
     assert table.strip() in doc, "docs/bundles.md is stale: regenerate it with `layerswap list --markdown`"
 
 
-@pytest.mark.parametrize("model", ["Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"])
+@pytest.mark.parametrize(
+    "model", ["Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-v0.1"]
+)
 def test_inspect_published_configs_on_meta(model, capsys):
     assert cli.main(["inspect", model]) == 0
     out = capsys.readouterr().out

@@ -38,7 +38,9 @@ def checkpoints(tmp_path_factory):
 
 
 def _loaded_footprint(directory, scheme):
-    quantization = {"quantization_config": BitsAndBytesConfig(**QUANTIZATION[scheme])} if scheme != "bf16" else {}
+    quantization = (
+        {"quantization_config": BitsAndBytesConfig(**QUANTIZATION[scheme])} if scheme != "bf16" else {}
+    )
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16, **quantization)
     return model.get_memory_footprint()
 
@@ -55,7 +57,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("model_type", "scheme", "with_bundle"), CASES)
-def test_footprint_on_meta_matches_get_memory_footprint_of_a_real_load(checkpoints, model_type, scheme, with_bundle):
+def test_footprint_on_meta_matches_get_memory_footprint_of_a_real_load(
+    checkpoints, model_type, scheme, with_bundle
+):
     config, directory = checkpoints[model_type]
     bundles = (f"{model_type}-quant",) if with_bundle else ()
     with layerswap.use_bundle(*bundles):
@@ -91,7 +95,10 @@ def test_unknown_scheme_is_an_error_that_names_the_choices():
 
 # --- load memory ------------------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads peak RSS from Linux's /proc/self/status")
+
+@pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="reads peak RSS from Linux's /proc/self/status"
+)
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_bundle_load_does_not_hold_the_experts_twice(tmp_path, layout):
     """The load's own peak RSS (each load in a fresh process, peak reset after the imports) with the bundle stays
@@ -108,4 +115,3 @@ def test_bundle_load_does_not_hold_the_experts_twice(tmp_path, layout):
     assert bundle["load_peak_rss_mib"] <= 1.1 * stock["load_peak_rss_mib"], (stock, bundle)
     # Absolute form of the same property: one copy of the weights plus a little working memory.
     assert bundle["load_peak_rss_mib"] <= 1.5 * size_mib + 32, (size_mib, bundle)
-

@@ -160,7 +160,13 @@ def test_a_replacement_with_another_forward_contract_is_refused(monkeypatch):
         purpose="test",
         model_types=("qwen2_moe",),
         description="a replacement whose forward differs",
-        patches=(Patch("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts", lambda o, _: WrongForward),),
+        patches=(
+            Patch(
+                "transformers.models.qwen2_moe.modeling_qwen2_moe",
+                "Qwen2MoeExperts",
+                lambda o, _: WrongForward,
+            ),
+        ),
     )
     _register(monkeypatch, wrong)
     with pytest.raises(layerswap.BundleError, match="does not match the forward"):
@@ -170,7 +176,10 @@ def test_a_replacement_with_another_forward_contract_is_refused(monkeypatch):
 
 def test_wrong_family_load_warns_that_the_bundle_swapped_nothing(tmp_path):
     tiny_model("olmoe").save_pretrained(tmp_path)
-    with layerswap.use_bundle("qwen2_moe-quant"), pytest.warns(layerswap.LayerswapWarning, match="swapped nothing"):
+    with (
+        layerswap.use_bundle("qwen2_moe-quant"),
+        pytest.warns(layerswap.LayerswapWarning, match="swapped nothing"),
+    ):
         model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert not any(isinstance(m, LinearExperts) for m in model.modules())
 

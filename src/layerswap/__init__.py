@@ -1,7 +1,7 @@
 """layerswap: prebuilt module swaps for Hugging Face transformers v5, as named bundles per model family.
 
-    import layerswap
-    layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_config
+import layerswap
+layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_config
 """
 
 from __future__ import annotations

@@ -48,11 +48,15 @@ def run_demo(model_type: str = "qwen2_moe") -> int:
         # Stock needs its 1-wide shared_expert_gate kept out by hand (bitsandbytes' CPU kernels reject it);
         # the bundle does that by default.
         stock_nf4 = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_skip_modules=["shared_expert_gate", "lm_head"]
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            llm_int8_skip_modules=["shared_expert_gate", "lm_head"],
         )
         rows["stock + nf4"] = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=stock_nf4)
         with layerswap.use_bundle(bundle):
-            rows[f"{bundle} + nf4"] = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=nf4)
+            rows[f"{bundle} + nf4"] = AutoModelForCausalLM.from_pretrained(
+                checkpoint, quantization_config=nf4
+            )
             unquantized_swapped = AutoModelForCausalLM.from_pretrained(checkpoint)
             unquantized_swapped.save_pretrained(saved)
 

@@ -310,9 +310,7 @@ def _raise_on_missing_swapped_weights(
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
     source = getattr(load_config, "pretrained_model_name_or_path", "the checkpoint")
     if any(".experts." in key for key in missing):
-        layouts = (
-            "per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'"
-        )
+        layouts = "per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'"
     else:
         layouts = "separate 'self_attn.q_proj/k_proj/v_proj' or fused 'self_attn.qkv_proj' weights"
     raise MissingExpertWeightsError(

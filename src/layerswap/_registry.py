@@ -114,7 +114,9 @@ def _enable(name: str, options: dict[str, Any]) -> Bundle:
                 f"Bundle {name!r} is already enabled with {current.options}; call "
                 f"layerswap.disable_bundle({name!r}) before enabling it with {resolved}."
             )
-        replacements = {patch.class_name: _build_replacement(bundle, patch, resolved) for patch in bundle.patches}
+        replacements = {
+            patch.class_name: _build_replacement(bundle, patch, resolved) for patch in bundle.patches
+        }
         _check_conflicts(bundle, replacements)
         if not _enabled:
             _load_hooks.install()

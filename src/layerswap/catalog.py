@@ -51,19 +51,38 @@ FAMILIES: tuple[Family, ...] = (
     Family("glm4_moe", "Glm4MoeExperts", router="Glm4MoeTopkRouter", attention="Glm4MoeAttention"),
     Family("glm4_moe_lite", "Glm4MoeLiteExperts", router="Glm4MoeLiteTopkRouter"),
     Family("dots1", "Dots1Experts", router="Dots1TopkRouter", attention="Dots1Attention"),
-    Family("ernie4_5_moe", "Ernie4_5_MoeExperts", router="Ernie4_5_MoeTopKRouter", attention="Ernie4_5_MoeAttention"),
-    Family("hunyuan_v1_moe", "HunYuanMoEV1Experts", router="HunYuanMoEV1Gate", attention="HunYuanMoEV1Attention"),
+    Family(
+        "ernie4_5_moe",
+        "Ernie4_5_MoeExperts",
+        router="Ernie4_5_MoeTopKRouter",
+        attention="Ernie4_5_MoeAttention",
+    ),
+    Family(
+        "hunyuan_v1_moe", "HunYuanMoEV1Experts", router="HunYuanMoEV1Gate", attention="HunYuanMoEV1Attention"
+    ),
     Family("granitemoe", "GraniteMoeExperts", router="GraniteMoeTopKRouter", attention="GraniteMoeAttention"),
-    Family("granitemoeshared", "GraniteMoeSharedExperts", router="GraniteMoeSharedTopKRouter", attention="GraniteMoeSharedAttention"),
+    Family(
+        "granitemoeshared",
+        "GraniteMoeSharedExperts",
+        router="GraniteMoeSharedTopKRouter",
+        attention="GraniteMoeSharedAttention",
+    ),
     Family("phimoe", "PhimoeExperts", router="PhimoeTopKRouter", attention="PhimoeAttention"),
     Family("jamba", "JambaExperts", router="JambaTopKRouter", attention="JambaAttention"),
     Family("exaone_moe", "ExaoneMoeExperts", router="ExaoneMoeTopkRouter", attention="ExaoneMoeAttention"),
     Family("afmoe", "AfmoeExperts", router="AfmoeTokenChoiceRouter", attention="AfmoeAttention"),
-    Family("cohere2_moe", "Cohere2MoeExperts", router="Cohere2MoeTopKRouter", attention="Cohere2MoeAttention"),
+    Family(
+        "cohere2_moe", "Cohere2MoeExperts", router="Cohere2MoeTopKRouter", attention="Cohere2MoeAttention"
+    ),
     Family("solar_open", "SolarOpenExperts", router="SolarOpenTopkRouter", attention="SolarOpenAttention"),
     Family("lfm2_moe", "Lfm2MoeExperts", router="Lfm2MoeTopKRouter", attention="Lfm2MoeAttention"),
     Family("mellum", "MellumExperts", router="MellumTopKRouter", attention="MellumAttention"),
-    Family("mimo_v2_flash", "MiMoV2FlashExperts", router="MiMoV2FlashTopkRouter", attention="MiMoV2FlashAttention"),
+    Family(
+        "mimo_v2_flash",
+        "MiMoV2FlashExperts",
+        router="MiMoV2FlashTopkRouter",
+        attention="MiMoV2FlashAttention",
+    ),
     Family("kimi_linear", "KimiLinearExperts", router="KimiLinearTopkRouter"),
     Family("bailing_hybrid", "BailingHybridExperts", router="BailingHybridTopkRouter"),
     Family("laguna", "LagunaExperts", router="LagunaTopKRouter", attention="LagunaAttention"),

@@ -30,7 +30,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .shapes import meta_model, resolve_config
 
     config = resolve_config(args.config)
-    bundles = args.bundle or [n for n, b in CATALOG.items() if b.purpose == "quant" and config.model_type in b.model_types]
+    bundles = args.bundle or [
+        n for n, b in CATALOG.items() if b.purpose == "quant" and config.model_type in b.model_types
+    ]
     stock = report(meta_model(config))
     with use_bundle(*bundles):
         swapped = report(meta_model(config))
@@ -60,7 +62,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
     if not script.exists():
-        print("benchmarks/run.py is not in this installation; run it from a source checkout.", file=sys.stderr)
+        print(
+            "benchmarks/run.py is not in this installation; run it from a source checkout.", file=sys.stderr
+        )
         return 2
     sys.argv = [str(script), *args.rest]
     runpy.run_path(str(script), run_name="__main__")
@@ -73,9 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing = commands.add_parser("list", help="the bundle catalog")
     listing.add_argument("--markdown", action="store_true", help="as a Markdown table")
     listing.set_defaults(run=_cmd_list)
-    inspect = commands.add_parser("inspect", help="what bundles would swap in a model, built on the meta device")
-    inspect.add_argument("config", help="a config.json, a directory with one, or a model name in model_shapes.json")
-    inspect.add_argument("--bundle", action="append", help="bundle to apply (default: the model type's -quant)")
+    inspect = commands.add_parser(
+        "inspect", help="what bundles would swap in a model, built on the meta device"
+    )
+    inspect.add_argument(
+        "config", help="a config.json, a directory with one, or a model name in model_shapes.json"
+    )
+    inspect.add_argument(
+        "--bundle", action="append", help="bundle to apply (default: the model type's -quant)"
+    )
     inspect.set_defaults(run=_cmd_inspect)
     demo = commands.add_parser("demo", help="tiny end-to-end demo: stock vs -quant under bitsandbytes 4-bit")
     demo.add_argument("--model-type", default="qwen2_moe")

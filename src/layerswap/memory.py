@@ -49,7 +49,9 @@ def modules_not_to_convert(model: nn.Module, skip_modules: list[str] | None = No
     from ._load_hooks import keep_unquantized_modules
 
     patterns = HfQuantizer.get_modules_to_not_convert(
-        model, list(skip_modules) if skip_modules is not None else None, getattr(model, "_keep_in_fp32_modules", None)
+        model,
+        list(skip_modules) if skip_modules is not None else None,
+        getattr(model, "_keep_in_fp32_modules", None),
     )
     # Idempotent when layerswap's hook is installed; explicit so the result does not hinge on install order.
     return sorted(set(patterns) | set(keep_unquantized_modules(model)))
@@ -98,8 +100,12 @@ def weight_footprint(
             quantized_params += parameter.numel()
         else:
             itemsize = 4 if name in fp32_names else dtype.itemsize
-            size = parameter.numel() * (itemsize if parameter.is_floating_point() else parameter.element_size())
+            size = parameter.numel() * (
+                itemsize if parameter.is_floating_point() else parameter.element_size()
+            )
             kept_params += parameter.numel()
         total += size
     buffers = sum(buffer.numel() * buffer.element_size() for buffer in model.buffers())
-    return Footprint(scheme, total + buffers, quantized_bytes, buffers, quantized_params, kept_params, len(replaced))
+    return Footprint(
+        scheme, total + buffers, quantized_bytes, buffers, quantized_params, kept_params, len(replaced)
+    )

@@ -19,7 +19,12 @@ _QUANTIZED_LINEAR_NAMES = {
     "QuantLinear",
     "FP8Linear",
 }
-_QUANTIZED_WEIGHT_NAMES = {"Params4bit", "Int8Params", "AffineQuantizedTensor", "LinearActivationQuantizedTensor"}
+_QUANTIZED_WEIGHT_NAMES = {
+    "Params4bit",
+    "Int8Params",
+    "AffineQuantizedTensor",
+    "LinearActivationQuantizedTensor",
+}
 
 
 @dataclass(frozen=True)

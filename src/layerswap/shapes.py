@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -12,23 +13,42 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ._errors import BundleError
 
+SHAPES_ENV = "LAYERSWAP_MODEL_SHAPES"
+
 
 def model_shapes_path() -> Path:
-    """$LAYERSWAP_MODEL_SHAPES, else ../shared/model_shapes.json beside the working directory or the repo."""
-    if "LAYERSWAP_MODEL_SHAPES" in os.environ:
-        return Path(os.environ["LAYERSWAP_MODEL_SHAPES"])
-    candidates = [Path.cwd() / "../shared/model_shapes.json", Path(__file__).resolve().parents[3] / "../shared/model_shapes.json"]
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate.resolve()
-    return candidates[0]
+    """The model_shapes.json in use: $LAYERSWAP_MODEL_SHAPES if set, else the copy shipped in the package."""
+    override = os.environ.get(SHAPES_ENV)
+    if override:
+        return Path(override)
+    return Path(str(resources.files("layerswap") / "data" / "model_shapes.json"))
 
 
 def load_model_shapes() -> dict[str, dict[str, Any]]:
+    """{model name: published config values}; keys starting with '_' (notes, sources) are left out."""
     path = model_shapes_path()
-    if not path.exists():
-        raise BundleError(f"No model_shapes.json at {path}; set LAYERSWAP_MODEL_SHAPES to its path.")
-    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    if not path.is_file():
+        raise BundleError(
+            f"No model_shapes.json at {path} (from ${SHAPES_ENV}); point it at a JSON file of "
+            "{model name: config values}, or unset it to use the copy shipped with layerswap."
+        )
+    try:
+        entries = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise BundleError(f"{path} is not valid JSON ({error}); fix it or unset ${SHAPES_ENV}.") from None
+    return {name: _config_fields(values) for name, values in entries.items() if not name.startswith("_")}
+
+
+def model_shape(name: str) -> dict[str, Any]:
+    """The published config values of one model in model_shapes.json."""
+    shapes = load_model_shapes()
+    if name not in shapes:
+        raise BundleError(f"{name!r} is not in {model_shapes_path()} (known: {', '.join(sorted(shapes))}).")
+    return dict(shapes[name])
+
+
+def _config_fields(values: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if not key.startswith("_")}
 
 
 def resolve_config(config_or_dir: str) -> PretrainedConfig:
@@ -39,7 +59,7 @@ def resolve_config(config_or_dir: str) -> PretrainedConfig:
     if path.is_file():
         values = json.loads(path.read_text())
     else:
-        shapes = load_model_shapes() if model_shapes_path().exists() else {}
+        shapes = load_model_shapes()
         if config_or_dir not in shapes:
             known = ", ".join(sorted(shapes)) or "none found"
             raise BundleError(

@@ -79,7 +79,9 @@ def test_logits_match_stock(checkpoint, model_type, implementation):
     fused = load(path, model_type, attn_implementation=implementation)
     modules = fused_modules(fused)
     assert modules and all(isinstance(m, m._layerswap_original) for m in modules)
-    assert not any(f".{name}." in key for key in fused.state_dict() for name in ("q_proj", "k_proj", "v_proj"))
+    assert not any(
+        f".{name}." in key for key in fused.state_dict() for name in ("q_proj", "k_proj", "v_proj")
+    )
     calls = []
     if implementation == "eager":
         # One fused GEMM per attention forward: the stock forward's q/k/v calls took its parts, no fallback.
@@ -144,7 +146,9 @@ def test_module_call_with_cache_and_deprecated_past_key_values(checkpoint, model
             ]
             torch.testing.assert_close(outputs[1][0], outputs[0][0], atol=1e-5, rtol=1e-5)
             assert len(outputs[1]) == 2
-            torch.testing.assert_close(caches[1].layers[0].keys, caches[0].layers[0].keys, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(
+                caches[1].layers[0].keys, caches[0].layers[0].keys, atol=1e-6, rtol=1e-6
+            )
             torch.testing.assert_close(caches[1].layers[0].values, caches[0].layers[0].values)
     # Outside forward, q_proj(x) still gives the stock projection (one extra GEMM, same math).
     expected_q = stock_attention.q_proj(hidden)
@@ -176,7 +180,9 @@ def test_one_gemm_or_three_on_the_fused_weight_give_the_stock_projections(checkp
 
 def test_default_cpu_choice_of_one_gemm_by_dtype():
     replacement = fused_qkv_adapter(LlamaAttention, BundleOptions())
-    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
 
     def storages(module, rows, dtype):
         parts = module.project_qkv(torch.randn(1, rows, 64, dtype=dtype))
@@ -208,7 +214,9 @@ def test_backward_through_an_in_place_stock_forward(tmp_path, long_inputs):
 def test_replacement_is_a_subclass_with_the_stock_signature():
     replacement = fused_qkv_adapter(LlamaAttention, BundleOptions())
     assert issubclass(replacement, LlamaAttention) and replacement._layerswap_original is LlamaAttention
-    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
     module = replacement(config, layer_idx=0)
     assert module.qkv_sizes == (64, 32, 32) and module.qkv_proj.weight.shape == (128, 64)
     assert not {"q_proj", "k_proj", "v_proj"} & {name for name, _ in module.named_modules()}
@@ -236,7 +244,8 @@ def _bnb_cpu_rejected_linears(model: nn.Module) -> list[str]:
     # bitsandbytes' CPU 4-bit kernel needs out_features % 32 == 0 and in_features >= 64; some stock layers of
     # the tiny configs (laguna's per-head g_proj, jamba's mamba projections) miss that and stay unquantized.
     return [
-        name for name, m in model.named_modules()
+        name
+        for name, m in model.named_modules()
         if type(m) is nn.Linear and (m.out_features % 32 or m.in_features < 64)
     ]
 
@@ -285,7 +294,9 @@ def test_from_pretrained_with_tp_plan_fails_before_sharding(checkpoint):
         mock.patch.object(distributed_mixin, "initialize_distributed_mesh", return_value=(None, _FakeMesh())),
         pytest.raises(FusedQKVParallelismError, match="llama-fused_qkv"),
     ):
-        AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2, tp_plan="auto"))
+        AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=2, tp_plan="auto")
+        )
 
 
 def test_parallel_plan_guard_is_shared_and_restored_exactly():

@@ -44,14 +44,18 @@ def test_linear_experts_match_stock_experts(family):
     stock, linear, _ = _stock_and_linear(family)
     hidden = torch.randn(11, linear.hidden_dim)
     index, weights = _routing(11, linear.num_experts, 2)
-    torch.testing.assert_close(linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES[:3], ids=lambda f: f.model_type)
 def test_every_projection_is_an_exact_nn_linear(family):
     # bitsandbytes only replaces modules whose type is exactly nn.Linear; a subclass would stay unquantized.
     _, linear, _ = _stock_and_linear(family)
-    projections = [m for expert in linear for m in expert.children() if not isinstance(m, type(expert.act_fn))]
+    projections = [
+        m for expert in linear for m in expert.children() if not isinstance(m, type(expert.act_fn))
+    ]
     assert len(projections) == 3 * linear.num_experts
     assert all(type(m) is nn.Linear and m.bias is None for m in projections)
     assert isinstance(linear, nn.ModuleList)
@@ -70,7 +74,9 @@ def test_expert_parallel_sentinel_index_is_skipped():
     hidden = torch.randn(5, linear.hidden_dim)
     index, weights = _routing(5, linear.num_experts, 2)
     index[0, 0] = linear.num_experts
-    torch.testing.assert_close(linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_experts_without_tokens_and_gradients_flow():

@@ -66,7 +66,9 @@ def test_forward_matches_stock(family: str, num_tokens: int) -> None:
 def test_whole_model_with_layerswap_backend_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real_fused_moe = fused_experts.fused_moe
-    monkeypatch.setattr(fused_experts, "fused_moe", lambda *a, **k: calls.append(1) or real_fused_moe(*a, **k))
+    monkeypatch.setattr(
+        fused_experts, "fused_moe", lambda *a, **k: calls.append(1) or real_fused_moe(*a, **k)
+    )
     model = tiny_model("qwen2_moe")
     scale_experts(model)
     input_ids = tiny_input_ids()
@@ -172,12 +174,18 @@ def test_unknown_activation_runs_as_callable() -> None:
     x = torch.randn(5, config.hidden_size)
     index, weights = routing(5, config.num_experts, config.num_experts_per_tok)
     with torch.no_grad():
-        torch.testing.assert_close(fused_experts_forward(experts, x, index, weights), experts(x, index, weights),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fused_experts_forward(experts, x, index, weights),
+            experts(x, index, weights),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 # Layouts the kernels would compute wrongly are refused, with both the class and the flag in the message.
-@pytest.mark.parametrize("flag, value", [("has_bias", True), ("is_transposed", True), ("_is_expert_parallel", True)])
+@pytest.mark.parametrize(
+    "flag, value", [("has_bias", True), ("is_transposed", True), ("_is_expert_parallel", True)]
+)
 def test_other_layouts_are_refused(flag: str, value: bool) -> None:
     experts = Qwen2MoeExperts(tiny_config("qwen2_moe"))
     setattr(experts, flag, value)
@@ -210,7 +218,9 @@ def test_whole_model_compiles_fullgraph_with_layerswap_backend() -> None:
     try:
         model.set_experts_implementation("layerswap")
         with torch.no_grad():
-            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids, use_cache=False).logits
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(
+                input_ids, use_cache=False
+            ).logits
             eager = model(input_ids, use_cache=False).logits
     finally:
         torch._dynamo.reset()

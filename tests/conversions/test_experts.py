@@ -77,10 +77,14 @@ def test_checkpoint_without_expert_weights_is_an_error_naming_the_keys(stock_che
     # Per-expert checkpoints lose expert 1; fused stock checkpoints (granitemoe's input_linear, granitemoe_swa's
     # gate_up_proj) lose the fused gate/up tensor.
     dropped = drop_keys(
-        tmp_path, lambda key: ".experts.1." in key or "input_linear" in key or key.endswith("experts.gate_up_proj")
+        tmp_path,
+        lambda key: ".experts.1." in key or "input_linear" in key or key.endswith("experts.gate_up_proj"),
     )
     assert dropped
-    with layerswap.use_bundle(f"{family.model_type}-quant"), pytest.raises(MissingExpertWeightsError) as error:
+    with (
+        layerswap.use_bundle(f"{family.model_type}-quant"),
+        pytest.raises(MissingExpertWeightsError) as error,
+    ):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     assert "randomly initialised" in str(error.value)
     named = str(error.value).split("Loading would")[0]

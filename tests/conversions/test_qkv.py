@@ -53,7 +53,9 @@ def _projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _assert_clean(info: dict) -> None:
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    problems = {
+        k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
     assert not problems, problems
 
 
@@ -118,7 +120,7 @@ def test_conversion_edit_keeps_every_other_stock_transform(model_type):
     stock = conversion_mapping.get_checkpoint_conversion_mapping(model_type) or []
     edited = fused_qkv_conversions(stock, options=None)
     assert edited[: len(stock)] == stock
-    assert [type(t) for t in edited[len(stock):]] == [FusedQKVConverter, FusedQKVConverter]
+    assert [type(t) for t in edited[len(stock) :]] == [FusedQKVConverter, FusedQKVConverter]
     # Applying it again (as a later re-sync does to an already edited list) adds nothing.
     assert len(fused_qkv_conversions(edited, options=None)) == len(edited)
 
@@ -135,7 +137,9 @@ def test_from_config_model_saves_the_stock_layout(tmp_path):
     _assert_clean(info)
     expected = model.model.layers[1].self_attn.qkv_proj.weight
     actual = stock.model.layers[1].self_attn
-    assert torch.equal(torch.cat([actual.q_proj.weight, actual.k_proj.weight, actual.v_proj.weight]), expected)
+    assert torch.equal(
+        torch.cat([actual.q_proj.weight, actual.k_proj.weight, actual.v_proj.weight]), expected
+    )
 
 
 def test_a_checkpoint_missing_a_projection_is_an_error(checkpoint, tmp_path):
@@ -150,8 +154,9 @@ def test_split_uses_the_exact_gqa_widths():
     config = tiny_config("llama")  # 4 heads, 2 kv heads, head_dim 16
     fused = torch.arange(128.0)[:, None].expand(128, 3).contiguous()
     targets = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
-    parts = SplitQKV().convert({"self_attn.qkv_proj.weight": fused}, ["self_attn.qkv_proj.weight"], targets,
-                               config=config)
+    parts = SplitQKV().convert(
+        {"self_attn.qkv_proj.weight": fused}, ["self_attn.qkv_proj.weight"], targets, config=config
+    )
     assert [parts[t].shape[0] for t in targets] == [64, 32, 32] == list(config_qkv_sizes(config))
     assert torch.equal(torch.cat([parts[t] for t in targets]), fused)
     # The trap SplitQKV avoids: transformers' Concatenate reverses to an equal-size Chunk.
@@ -164,8 +169,9 @@ def test_split_uses_the_exact_gqa_widths():
 def test_concatenate_and_split_are_exact_inverses():
     q, k, v = torch.randn(64, 8), torch.randn(32, 8), torch.randn(32, 8)
     sources = ["q_proj.weight", "k_proj.weight", "v_proj.weight"]
-    fused = ConcatenateQKV().convert({"v_proj.weight": [v], "q_proj.weight": [q], "k_proj.weight": [k]},
-                                     sources, ["qkv_proj.weight"])["qkv_proj.weight"]
+    fused = ConcatenateQKV().convert(
+        {"v_proj.weight": [v], "q_proj.weight": [q], "k_proj.weight": [k]}, sources, ["qkv_proj.weight"]
+    )["qkv_proj.weight"]
     assert torch.equal(fused, torch.cat([q, k, v]))
     assert isinstance(ConcatenateQKV().reverse_op, SplitQKV)
     assert isinstance(SplitQKV().reverse_op, ConcatenateQKV)

@@ -18,8 +18,10 @@ from layerswap.kernels.fused_moe import get_tile_config  # noqa: E402
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and not isinstance(kernels._gate_up_act_kernel, triton.runtime.interpreter.InterpretedFunction):
-    pytest.skip("the kernels were compiled before TRITON_INTERPRET=1 was set; run this file on its own",
-                allow_module_level=True)
+    pytest.skip(
+        "the kernels were compiled before TRITON_INTERPRET=1 was set; run this file on its own",
+        allow_module_level=True,
+    )
 
 BF16_ON_CUDA_ONLY = pytest.mark.skipif(
     not CUDA, reason="bf16 tl.dot is wrong in the Triton interpreter; run benchmarks/gpu_check.sh on a GPU"
@@ -49,8 +51,14 @@ def check(x, gate_up, down, index, weights, activation="silu", config=None) -> N
             got = fused_moe(x, gate_up, down, index, weights, activation=activation, backend="triton")
         else:
             got = kernels.fused_moe_triton(x, gate_up, down, index, weights, activation, config)
-        expected = fused_moe_reference(x.float().cpu(), gate_up.float().cpu(), down.float().cpu(), index.cpu(),
-                                       weights.float().cpu(), activation=activation)
+        expected = fused_moe_reference(
+            x.float().cpu(),
+            gate_up.float().cpu(),
+            down.float().cpu(),
+            index.cpu(),
+            weights.float().cpu(),
+            activation=activation,
+        )
     assert got.dtype == x.dtype and got.shape == x.shape
     tolerance = TOLERANCE[gate_up.dtype]
     torch.testing.assert_close(got.float().cpu(), expected, atol=tolerance, rtol=tolerance)
@@ -136,8 +144,9 @@ def test_activations_in_another_dtype_than_weights() -> None:
     x = torch.randn(6, 32, device=DEVICE)
     with torch.no_grad():
         got = fused_moe(x, gate_up, down, index, weights, backend="triton")
-        expected = fused_moe_reference(x.half().float().cpu(), gate_up.float().cpu(), down.float().cpu(),
-                                       index.cpu(), weights.cpu())
+        expected = fused_moe_reference(
+            x.half().float().cpu(), gate_up.float().cpu(), down.float().cpu(), index.cpu(), weights.cpu()
+        )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), expected, atol=1e-2, rtol=1e-2)
 
@@ -229,9 +238,13 @@ def test_custom_op_passes_opcheck(backend: str) -> None:
     gate_up, down = make_weights(5, 32, 16, torch.float32)
     index, weights = make_routing(9, 5, 2, torch.float32)
     x = torch.randn(9, 32, device=DEVICE)
-    torch.library.opcheck(torch.ops.layerswap.fused_moe.default, (x, gate_up, down, index, weights, "silu", backend))
-    torch.testing.assert_close(torch.ops.layerswap.fused_moe(x, gate_up, down, index, weights, "silu", backend),
-                               fused_moe(x, gate_up, down, index, weights, backend=backend))
+    torch.library.opcheck(
+        torch.ops.layerswap.fused_moe.default, (x, gate_up, down, index, weights, "silu", backend)
+    )
+    torch.testing.assert_close(
+        torch.ops.layerswap.fused_moe(x, gate_up, down, index, weights, "silu", backend),
+        fused_moe(x, gate_up, down, index, weights, backend=backend),
+    )
 
 
 def test_backend_choice_and_errors() -> None:

@@ -18,11 +18,16 @@ from layerswap.kernels.reference import fused_moe_reference
 HIDDEN, INTERMEDIATE = 64, 48
 
 
-def make_experts(num_experts: int = 8, top_k: int = 2, hidden_act: str = "silu", seed: int = 0) -> Qwen2MoeExperts:
+def make_experts(
+    num_experts: int = 8, top_k: int = 2, hidden_act: str = "silu", seed: int = 0
+) -> Qwen2MoeExperts:
     torch.manual_seed(seed)
     config = Qwen2MoeConfig(
-        hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=num_experts,
-        num_experts_per_tok=top_k, hidden_act=hidden_act,
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        hidden_act=hidden_act,
     )
     experts = Qwen2MoeExperts(config)
     with torch.no_grad():
@@ -31,7 +36,9 @@ def make_experts(num_experts: int = 8, top_k: int = 2, hidden_act: str = "silu",
     return experts
 
 
-def make_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def make_routing(
+    num_tokens: int, num_experts: int, top_k: int, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, top_k, generator=generator).softmax(-1)
@@ -68,11 +75,23 @@ def test_matches_stock_fp32(num_tokens: int, implementation: str) -> None:
     "min_rows, grouped, mkldnn_min_numel",
     [
         (10**9, False, 0),
-        pytest.param(10**9, True, 0, marks=pytest.mark.skipif(
-            not reference._CPU_GROUPED_MM, reason="this torch has no CPU grouped GEMM")),
+        pytest.param(
+            10**9,
+            True,
+            0,
+            marks=pytest.mark.skipif(
+                not reference._CPU_GROUPED_MM, reason="this torch has no CPU grouped GEMM"
+            ),
+        ),
         (1, False, 10**12),
-        pytest.param(1, False, 0, marks=pytest.mark.skipif(
-            not reference._HAS_MKLDNN, reason="this torch build has no oneDNN linear")),
+        pytest.param(
+            1,
+            False,
+            0,
+            marks=pytest.mark.skipif(
+                not reference._HAS_MKLDNN, reason="this torch build has no oneDNN linear"
+            ),
+        ),
     ],
     ids=["row_major_mkl", "grouped_gemm", "weight_major_mkl", "weight_major_onednn"],
 )
@@ -86,8 +105,9 @@ def test_each_engine_matches_stock(
     x = torch.randn(37, HIDDEN)
     index, weights = make_routing(37, 8, 2)
     with torch.no_grad():
-        torch.testing.assert_close(ours(experts, x, index, weights), stock(experts, "eager", x, index, weights),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours(experts, x, index, weights), stock(experts, "eager", x, index, weights), atol=1e-5, rtol=1e-5
+        )
 
 
 # Some experts with 1-3 rows (grouped GEMM on gathered rows) and others with more (per-expert loop) in one
@@ -123,8 +143,12 @@ def test_activations_match_stock(hidden_act: str) -> None:
     x = torch.randn(20, HIDDEN)
     index, weights = make_routing(20, 8, 2)
     with torch.no_grad():
-        torch.testing.assert_close(ours(experts, x, index, weights, activation=hidden_act),
-                                   stock(experts, "eager", x, index, weights), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours(experts, x, index, weights, activation=hidden_act),
+            stock(experts, "eager", x, index, weights),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 # A callable is used as is: families whose act_fn is not an ACT2FN name still get the fast path.
@@ -133,8 +157,12 @@ def test_callable_activation() -> None:
     x = torch.randn(9, HIDDEN)
     index, weights = make_routing(9, 8, 2)
     with torch.no_grad():
-        torch.testing.assert_close(ours(experts, x, index, weights, activation=experts.act_fn),
-                                   stock(experts, "eager", x, index, weights), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours(experts, x, index, weights, activation=experts.act_fn),
+            stock(experts, "eager", x, index, weights),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 # Training through the reference must give the stock gradients (the oneDNN engine has no autograd and is
@@ -236,5 +264,7 @@ def test_kernels_work_without_triton() -> None:
         assert "triton" not in sys.modules
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -86,8 +86,12 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
 
 
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
-@pytest.mark.parametrize(("model_type", "bundle"), [("llama", "llama-fused_qkv"), ("qwen2_moe", "qwen2_moe-fast")])
-def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(model_type, bundle, scheme, tmp_path):
+@pytest.mark.parametrize(
+    ("model_type", "bundle"), [("llama", "llama-fused_qkv"), ("qwen2_moe", "qwen2_moe-fast")]
+)
+def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(
+    model_type, bundle, scheme, tmp_path
+):
     # A quantized qkv_proj cannot be split into q/k/v (4-bit rows are packed with their quant state), so it saves
     # fused and the bundle loads it back. The -fast bundle also keeps qwen2_moe's 1-wide shared_expert_gate out of
     # 4-bit, which bitsandbytes' CPU kernel rejects (as it does on a stock load).
@@ -118,11 +122,15 @@ def test_stock_transformers_leaves_experts_unquantized_and_report_says_so(tmp_pa
 def test_routers_and_one_wide_gates_stay_unquantized_by_default_and_can_be_overridden(tmp_path):
     tiny_model("qwen2_moe").save_pretrained(tmp_path)
     with layerswap.use_bundle("qwen2_moe-quant"):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("int8"))
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=quantization_config("int8")
+        )
     gate = model.model.layers[0].mlp.shared_expert_gate
     assert type(gate) is torch.nn.Linear
     with layerswap.use_bundle("qwen2_moe-quant", keep_unquantized=()):
-        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("int8"))
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=quantization_config("int8")
+        )
     assert type(model.model.layers[0].mlp.shared_expert_gate).__name__ == "Linear8bitLt"
 
 

@@ -94,8 +94,9 @@ def test_fused_checkpoints_get_every_expert_quantized(scheme, family, layout):
 def test_torchao_quantized_model_saves_and_reloads_with_the_bundle_exactly(family, tmp_path):
     scheme = matrix.SCHEMES_BY_KEY["torchao-int8wo"]
     with layerswap.use_bundle(f"{family}-quant"):
-        model = AutoModelForCausalLM.from_pretrained(matrix.checkpoint(family).directory,
-                                                     quantization_config=scheme.build(family))
+        model = AutoModelForCausalLM.from_pretrained(
+            matrix.checkpoint(family).directory, quantization_config=scheme.build(family)
+        )
         model.save_pretrained(tmp_path)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     total, quantized = matrix._count_expert_layers(reloaded, scheme.quantized_by_class)
@@ -143,7 +144,9 @@ def test_finegrained_fp8_from_pretrained_with_bundle_is_refused():
     # dequantize=True is the path a pre-quantized FP8 checkpoint takes on a machine without a GPU.
     directory = matrix.checkpoint("qwen2_moe").directory
     with layerswap.use_bundle("qwen2_moe-quant"), pytest.raises(IncompatibleQuantizerError, match=FP8_ADVICE):
-        AutoModelForCausalLM.from_pretrained(directory, quantization_config=FineGrainedFP8Config(dequantize=True))
+        AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=FineGrainedFP8Config(dequantize=True)
+        )
 
 
 def test_finegrained_fp8_without_bundle_quantizes_the_stock_experts():

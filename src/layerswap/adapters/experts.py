@@ -31,7 +31,9 @@ class ExpertNames:
 class ExpertMLP(nn.Module):
     """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear without bias."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: nn.Module, names: ExpertNames) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act_fn: nn.Module, names: ExpertNames
+    ) -> None:
         super().__init__()
         self.names = names
         self.add_module(names.gate, nn.Linear(hidden_size, intermediate_size, bias=False))

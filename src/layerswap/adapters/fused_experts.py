@@ -54,7 +54,11 @@ def activation_name(act_fn: Callable[[torch.Tensor], torch.Tensor]) -> str | Non
         return "gelu"
     if kind is GELUTanh:
         inner = getattr(act_fn, "act", None)
-        if isinstance(inner, functools.partial) and inner.func is F.gelu and inner.keywords == {"approximate": "tanh"}:
+        if (
+            isinstance(inner, functools.partial)
+            and inner.func is F.gelu
+            and inner.keywords == {"approximate": "tanh"}
+        ):
             return "gelu_pytorch_tanh"
     return None
 
@@ -64,7 +68,9 @@ def _check_group_a(module: nn.Module) -> None:
     name = type(module).__qualname__
     for attribute in ("gate_up_proj", "down_proj", "act_fn"):
         if not hasattr(module, attribute):
-            raise KernelInputError(f"{name} has no `{attribute}`: layerswap's fused experts need the group-A layout")
+            raise KernelInputError(
+                f"{name} has no `{attribute}`: layerswap's fused experts need the group-A layout"
+            )
     for flag, expected in _GROUP_A_FLAGS.items():
         found = getattr(module, flag, expected)
         if found != expected:

@@ -86,13 +86,17 @@ class SplitFusedExperts(ConversionOps):
         self.targets = targets
 
     @torch.no_grad()
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs):
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs
+    ):
         if len(input_dict) != 1:
             raise ValueError(f"SplitFusedExperts expects one fused tensor, got {sorted(input_dict)}")
         tensor = next(iter(input_dict.values()))
         tensor = tensor[0] if isinstance(tensor, list) else tensor
         if tensor.dim() != 3:
-            raise ValueError(f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}"
+            )
         parts = tensor.chunk(len(self.targets), dim=1)
         return {
             target.removeprefix(_AT_NAME_START).replace("*", str(expert)): _with_own_storage(part[expert])
@@ -183,8 +187,13 @@ def linear_experts_conversions(stock: list[WeightTransform], options: BundleOpti
         if _is_per_expert_merge(transform):
             continue
         target = transform._original_target_patterns[0] if transform._original_target_patterns else ""
-        if isinstance(transform, WeightConverter) and target.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            fused_ops[target.rsplit(".", 1)[-1]] = (list(transform._original_source_patterns), transform.operations)
+        if isinstance(transform, WeightConverter) and target.endswith(
+            ("experts.gate_up_proj", "experts.down_proj")
+        ):
+            fused_ops[target.rsplit(".", 1)[-1]] = (
+                list(transform._original_source_patterns),
+                transform.operations,
+            )
             continue
         kept.append(transform)
     prefix = layout.experts_prefix.lstrip(".")

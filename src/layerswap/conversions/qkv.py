@@ -34,7 +34,11 @@ class ConcatenateQKV(ConversionOps):
 
     @torch.no_grad()
     def convert(
-        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs: Any
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         missing = [pattern for pattern in source_patterns if pattern not in input_dict]
         if missing:
@@ -88,7 +92,10 @@ class SplitQKV(ConversionOps):
                 f"widths {sizes} (from {source}); the tensor does not belong to this attention"
             )
         # clone: safetensors cannot save three views of one storage.
-        return {target: part.clone() for target, part in zip(target_patterns, fused.split(sizes, dim=0), strict=True)}
+        return {
+            target: part.clone()
+            for target, part in zip(target_patterns, fused.split(sizes, dim=0), strict=True)
+        }
 
     @property
     def reverse_op(self) -> ConversionOps:

@@ -60,11 +60,30 @@ def _tile_ids(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_act_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
-    num_pairs, num_blocks, top_k, N, K,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_blocks,
+    top_k,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """out[pair, n] = act(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's BLOCK_M pairs."""
     pid_m, pid_n = _tile_ids(num_blocks, N, BLOCK_N, GROUP_M)
@@ -94,7 +113,9 @@ def _gate_up_act_kernel(
         k_mask = offs_k < K - k_start
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        acc_gate = tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=DOT_PRECISION)
+        acc_gate = tl.dot(
+            x, tl.load(gate_ptrs, mask=w_mask, other=0.0), acc_gate, input_precision=DOT_PRECISION
+        )
         acc_up = tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         gate_ptrs += BLOCK_K * stride_wk
@@ -107,10 +128,28 @@ def _gate_up_act_kernel(
 
 @triton.jit
 def _down_weighted_kernel(
-    h_ptr, w_ptr, out_ptr, routing_weights_ptr, sorted_pair_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
-    num_pairs, num_blocks, N, K,
-    stride_hm, stride_hk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    routing_weights_ptr,
+    sorted_pair_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_blocks,
+    N,
+    K,
+    stride_hm,
+    stride_hk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """out[pair, n] = routing_weight[pair] * (h[pair] . w[e, n]), the weight applied in fp32."""
@@ -231,21 +270,55 @@ def fused_moe_triton(
 
     hidden = torch.empty(num_pairs, intermediate, dtype=compute_dtype, device=device)
     _gate_up_act_kernel[(num_blocks * triton.cdiv(intermediate, config.block_n),)](
-        x, gate_up_proj, hidden, sorted_pair_ids, block_expert_ids, num_padded,
-        num_pairs, num_blocks, top_k, intermediate, hidden_size,
-        x.stride(0), x.stride(1), *gate_up_proj.stride(), *hidden.stride(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        ACTIVATION=activation_code(activation), DOT_PRECISION=precision, **launch,
+        x,
+        gate_up_proj,
+        hidden,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_padded,
+        num_pairs,
+        num_blocks,
+        top_k,
+        intermediate,
+        hidden_size,
+        x.stride(0),
+        x.stride(1),
+        *gate_up_proj.stride(),
+        *hidden.stride(),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        ACTIVATION=activation_code(activation),
+        DOT_PRECISION=precision,
+        **launch,
     )
 
     # Zeroed, not empty: pairs routed to a sentinel id are never written by the kernel.
     per_pair = torch.zeros(num_pairs, hidden_size, dtype=compute_dtype, device=device)
     routing_weights = top_k_weights.reshape(-1).to(torch.float32).contiguous()
     _down_weighted_kernel[(num_blocks * triton.cdiv(hidden_size, config.block_n),)](
-        hidden, down_proj, per_pair, routing_weights, sorted_pair_ids, block_expert_ids, num_padded,
-        num_pairs, num_blocks, hidden_size, intermediate,
-        *hidden.stride(), *down_proj.stride(), *per_pair.stride(),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        DOT_PRECISION=precision, **launch,
+        hidden,
+        down_proj,
+        per_pair,
+        routing_weights,
+        sorted_pair_ids,
+        block_expert_ids,
+        num_padded,
+        num_pairs,
+        num_blocks,
+        hidden_size,
+        intermediate,
+        *hidden.stride(),
+        *down_proj.stride(),
+        *per_pair.stride(),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        DOT_PRECISION=precision,
+        **launch,
     )
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+    return (
+        per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+    )

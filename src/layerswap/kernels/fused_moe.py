@@ -57,7 +57,9 @@ class TileConfig:
         if self.group_m < 1:
             raise KernelInputError(f"TileConfig.group_m must be >= 1, got {self.group_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
-            raise KernelInputError(f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+            raise KernelInputError(
+                f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}"
+            )
         if self.num_stages < 1:
             raise KernelInputError(f"TileConfig.num_stages must be >= 1, got {self.num_stages}")
 
@@ -167,7 +169,9 @@ def _fused_moe_impl(
     if backend == "triton":
         from ._triton_fused_moe import fused_moe_triton
 
-        return fused_moe_triton(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation)
+        return fused_moe_triton(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation
+        )
     return fused_moe_reference(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
     )
@@ -238,4 +242,6 @@ def fused_moe(
     # Eager calls skip the custom op's Python dispatch (tens of microseconds, ~1% of a CPU decode step);
     # under torch.compile the op is what keeps the data-dependent implementation out of the graph.
     implementation = torch.ops.layerswap.fused_moe if torch.compiler.is_compiling() else _fused_moe_impl
-    return implementation(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation, chosen)
+    return implementation(
+        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation, chosen
+    )

@@ -232,4 +232,3 @@ def fused_moe_reference(
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, token_of_pair, expert_out.to(torch.float32) * pair_weights[:, None])
     return out.to(hidden_states.dtype)
-

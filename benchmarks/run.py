@@ -1,6 +1,6 @@
 """layerswap benchmarks in one run: stock transformers vs each bundle, side by side, as one CSV and PNG plots.
 
-    python benchmarks/run.py --suite all --quick          # also: layerswap bench --suite all --quick
+    python benchmarks/run.py --suite all --quick          # from a source checkout
     python benchmarks/run.py --suite moe --device cuda --out bench-out/gpu
 
 Suites (each reuses the sweep of its own module, which can also run alone):
@@ -343,7 +343,7 @@ def print_ratios(rows: Sequence[dict]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="layerswap bench",
+        prog="benchmarks/run.py",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
-            f"layerswap bench: no CUDA device is present (torch {torch.__version__}: "
+            f"benchmarks/run.py: no CUDA device is present (torch {torch.__version__}: "
             "torch.cuda.is_available() is False), so nothing was run. Use --device cpu, or run on a GPU machine.",
             file=sys.stderr,
         )

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from layerswap import cli
-from layerswap.shapes import model_shapes_path
+from layerswap.shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_inspect_published_configs_on_meta(model, capsys):
 
 
 def test_inspect_a_local_config(tmp_path, capsys):
-    values = dict(json.loads(model_shapes_path().read_text())["allenai/OLMoE-1B-7B-0924"])
+    values = model_shape("allenai/OLMoE-1B-7B-0924")
     values["num_hidden_layers"] = 2
     (tmp_path / "config.json").write_text(json.dumps(values))
     assert cli.main(["inspect", str(tmp_path), "--bundle", "olmoe-quant"]) == 0
@@ -52,3 +52,24 @@ def test_demo_runs_end_to_end(capsys):
     assert cli.main(["demo"]) == 0
     out = capsys.readouterr().out
     assert "qwen2_moe-quant + nf4" in out and "100%" in out and "bit-identical" in out
+
+
+def test_bench_is_not_an_installed_command(capsys):
+    # The benchmarks are scripts of a source checkout (python benchmarks/run.py), not part of the wheel.
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench"])
+    assert done.value.code == 2
+    assert "invalid choice: 'bench'" in capsys.readouterr().err
+
+
+def test_every_error_class_is_public_and_a_bundle_error():
+    import inspect
+
+    import layerswap
+    from layerswap import _errors
+
+    for name, value in vars(_errors).items():
+        if inspect.isclass(value) and issubclass(value, Exception):
+            assert getattr(layerswap, name) is value, f"layerswap.{name} is not exported"
+            assert name in layerswap.__all__
+            assert issubclass(value, layerswap.BundleError) or value is layerswap.BundleError

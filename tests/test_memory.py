@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerswap
-from benchmark_modules import benchmark_module
 from layerswap import BundleError
 from layerswap.memory import bnb_replaced_linears, weight_footprint
 from layerswap.shapes import meta_model, resolve_config
+from layerswap.testing import load_probe
 from tiny_models import tiny_config
 
 QUANTIZATION = {
@@ -106,10 +106,11 @@ def test_bundle_load_does_not_hold_the_experts_twice(tmp_path, layout):
     tensors into 3D copies while the checkpoint's pages are mapped, so it peaks near twice the checkpoint; a bundle
     that stacked and then split would peak higher still. Fused checkpoints: stock keeps zero-copy views of the
     mapped file; the bundle's split must be views too, not a copy per expert."""
-    load = benchmark_module("load")
-    shape = load.CheckpointShape(hidden=512, moe_intermediate=256, experts=32, layers=2, vocab=512)
-    size_mib = load.make_checkpoint(shape, tmp_path, layout) / 2**20
-    stock, bundle = load.load_concurrently([(tmp_path, "", "bf16"), (tmp_path, "qwen2_moe-quant", "bf16")])
+    shape = load_probe.CheckpointShape(hidden=512, moe_intermediate=256, experts=32, layers=2, vocab=512)
+    size_mib = load_probe.make_checkpoint(shape, tmp_path, layout) / 2**20
+    stock, bundle = load_probe.load_concurrently(
+        [(tmp_path, "", "bf16"), (tmp_path, "qwen2_moe-quant", "bf16")]
+    )
     assert bundle["footprint_mib"] == pytest.approx(stock["footprint_mib"])
     assert bundle["held_storage_mib"] == pytest.approx(stock["held_storage_mib"])
     assert bundle["load_peak_rss_mib"] <= 1.1 * stock["load_peak_rss_mib"], (stock, bundle)

@@ -9,12 +9,15 @@ from __future__ import annotations
 from . import _compat  # noqa: F401  (checks the installed transformers first)
 from ._bundle import Bundle, BundleOptions
 from ._errors import (
+    BundleConflictError,
     BundleError,
     FusedQKVParallelismError,
     IncompatibleQuantizerError,
     LayerswapWarning,
     MissingExpertWeightsError,
     RoutingMismatchError,
+    UnknownBundleError,
+    UnsupportedTransformersError,
 )
 from ._registry import (
     disable_bundle,
@@ -33,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Bundle",
+    "BundleConflictError",
     "BundleError",
     "BundleOptions",
     "FusedQKVParallelismError",
@@ -42,6 +46,8 @@ __all__ = [
     "RecordedRouting",
     "Report",
     "RoutingMismatchError",
+    "UnknownBundleError",
+    "UnsupportedTransformersError",
     "__version__",
     "calibrate_all_experts",
     "disable_bundle",

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerswap
 from families import MOE_FAMILIES
+from numerics import assert_computed_close
 from tiny_models import tiny_input_ids, tiny_model
 
 QUANTIZATION = {
@@ -82,7 +83,7 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, loaded[key]), key
     with torch.no_grad():
-        assert torch.equal(model(tiny_input_ids()).logits, reloaded(tiny_input_ids()).logits)
+        assert_computed_close(reloaded(tiny_input_ids()).logits, model(tiny_input_ids()).logits)
 
 
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
@@ -108,7 +109,7 @@ def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(
     assert "model.layers.0.self_attn.qkv_proj.weight" in keys
     assert not any(".q_proj." in key for key in keys)
     with torch.no_grad():
-        assert torch.equal(model(tiny_input_ids()).logits, reloaded(tiny_input_ids()).logits)
+        assert_computed_close(reloaded(tiny_input_ids()).logits, model(tiny_input_ids()).logits)
 
 
 def test_stock_transformers_leaves_experts_unquantized_and_report_says_so(tmp_path):

@@ -1,12 +1,12 @@
 """Measure the quantizer compatibility matrix and write docs/quantizers.md.
 
-    python benchmarks/quantizer_matrix.py                        # the whole matrix -> docs/quantizers.md
-    python benchmarks/quantizer_matrix.py --schemes bnb-nf4 --out /tmp/q.md
+    python tests/quantizers/write_doc.py                         # the whole matrix -> docs/quantizers.md
+    python tests/quantizers/write_doc.py --schemes bnb-nf4 --out /tmp/q.md
 
 Each row loads a tiny random checkpoint (built locally, never downloaded) through a transformers quantization
 config, once stock and once with the family's `-quant` bundle, with the same helper as
-tests/quantizers/test_matrix.py (tests/quantizers/matrix.py). tests/quantizers/test_matrix.py fails when the
-committed doc no longer matches a fresh run. Takes about two minutes on two CPU cores.
+tests/quantizers/test_matrix.py (tests/quantizers/matrix.py), so it lives beside the tests. test_matrix.py fails
+when the committed doc no longer matches a fresh run. Takes about two minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,6 +34,8 @@ INTRO = """\
 {header}
 
 {versions}
+
+{machine}
 
 Stock transformers v5 keeps each MoE layer's experts in two fused 3D parameters (`gate_up_proj`, `down_proj`),
 and the quantizers below only convert `nn.Linear` modules: a stock load quantizes attention and dense layers and
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             matrix.measure(*key, bundle)
         print(f"[{index}/{len(keys)}] {key[0]} {key[1]}  {time.perf_counter() - started:.0f}s", flush=True)
 
-    text = INTRO.format(header=matrix.HEADER, versions=matrix.versions_line())
+    text = INTRO.format(header=matrix.HEADER, versions=matrix.versions_line(), machine=matrix.machine_line())
     text += "\n".join(matrix.table_lines(keys)) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

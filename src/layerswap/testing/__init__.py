@@ -1,0 +1,8 @@
+"""Helpers for tests of code that uses layerswap (layerswap's own tests and benchmarks use them too): tiny
+random configs of every catalog family, and a fresh-process load probe (`layerswap.testing.load_probe`)."""
+
+from __future__ import annotations
+
+from .._tiny import VOCAB, tiny_config
+
+__all__ = ["VOCAB", "tiny_config"]

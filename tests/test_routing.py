@@ -1,5 +1,7 @@
 """record_routing / replay_routing / routing_from_vllm / calibrate_all_experts on tiny qwen2_moe models."""
 
+import base64
+import io
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +14,7 @@ from layerswap._errors import BundleError, RoutingMismatchError
 from layerswap.adapters.experts import LinearExperts
 from layerswap.calibration import calibrate_all_experts
 from layerswap.routing import moe_routers, record_routing, replay_routing, routing_from_vllm
+from numerics import assert_computed_close
 from tiny_models import tiny_input_ids, tiny_model
 
 MODEL_TYPE = "qwen2_moe"  # 2 MoE layers, 8 experts, top_k 2
@@ -221,6 +224,236 @@ def test_routing_from_vllm_errors_name_the_sequence_and_the_fix():
         routing_from_vllm([_hand_built(3), _hand_built(3, num_layers=2)])
     with pytest.raises(RoutingMismatchError, match=r"\[seq_len, num_layers, top_k\]"):
         routing_from_vllm(np.zeros((3, 2), dtype=np.int32))
+
+
+# --- vLLM: what vLLM really returns ----------------------------------------------------------------------
+
+
+def _per_sequence(selected, mask, *, one_short=False, start=0, moe_layers=None, num_layers=None):
+    """What vLLM returns per sequence from a recording of a batch: the sequence's real tokens only, from row
+    `start` (routed_experts_prompt_start), as [rows, num_hidden_layers, top_k] with dense layers zero-filled;
+    one short when the last generated token was never fed back."""
+    flat = torch.stack(selected, dim=1)
+    if moe_layers is not None:
+        full = torch.zeros(flat.shape[0], num_layers, flat.shape[2], dtype=flat.dtype)
+        full[:, moe_layers] = flat
+        flat = full
+    seq_len = mask.shape[1]
+    arrays = []
+    for row in range(mask.shape[0]):
+        real = flat[row * seq_len + mask[row].nonzero().squeeze(1)][start:]
+        arrays.append((real[:-1] if one_short else real).to(torch.int32).numpy())
+    return arrays
+
+
+def _npy_base64(array, allow_pickle=False):
+    # vLLM's OpenAI server: np.save to bytes, then base64
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def test_replay_rejects_rows_that_repeat_an_expert_and_names_vllms_compiled_mode(recorded_model):
+    model, selected = recorded_model
+    zero_filled = selected[1].clone()
+    zero_filled[3:] = 0  # what vLLM 0.30.0 returned in its default compiled mode
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"MoE layer 1 \(model\.layers\.1\.mlp\.gate\): token row 3 picks experts \[0, 0\].*"
+        r"11 of 14 rows.*compiled mode.*enforce_eager=True",
+    ):
+        _replay(model, [selected[0], zero_filled])
+    repeated = selected[0].clone()
+    repeated[5] = repeated[5, 1]  # one row, not zeros
+    with pytest.raises(RoutingMismatchError, match=r"MoE layer 0 .*token row 5 picks experts \[(\d+), \1\]"):
+        _replay(model, [repeated, selected[1]])
+
+
+def test_out_of_range_expert_ids_name_the_token_row(recorded_model):
+    model, selected = recorded_model
+    negative = selected[0].clone()
+    negative[5, 1] = -3
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"MoE layer 0 .*must lie in \[0, 8\), found -3\.\.\d; token row 5 has \[\d, -3\]",
+    ):
+        _replay(model, [negative, selected[1]])
+
+
+def test_routing_from_vllm_rejects_zero_filled_rows_and_repeated_or_negative_ids():
+    with pytest.raises(
+        RoutingMismatchError, match=r"all zeros in every layer.*compiled mode.*enforce_eager=True"
+    ):
+        routing_from_vllm([np.zeros((5, 3, TOP_K), dtype=np.int32)] * 2)
+    repeated = _hand_built(5)
+    repeated[2, 1] = 7
+    with pytest.raises(
+        RoutingMismatchError, match=r"sequence 1, token row 2, layer 1: experts \[7, 7\].*enforce_eager=True"
+    ):
+        routing_from_vllm([_hand_built(3), repeated])
+    negative = _hand_built(5)
+    negative[4, 2, 0] = -1
+    with pytest.raises(RoutingMismatchError, match=r"sequence 0, token row 4, layer 2: experts \[-1, 421\]"):
+        routing_from_vllm(negative)
+    # A layer all zeros in every row is a dense layer's zero fill: kept, for replay_routing to ignore.
+    dense = _hand_built(5)
+    dense[:, 0] = 0
+    assert torch.equal(routing_from_vllm(dense)[0], torch.zeros(5, TOP_K, dtype=torch.long))
+
+
+DENSE_LAYER_MODELS = [
+    ("qwen2_moe", {"num_hidden_layers": 3, "mlp_only_layers": [0]}),
+    ("deepseek_v3", {"num_hidden_layers": 3, "first_k_dense_replace": 1}),
+]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    DENSE_LAYER_MODELS,
+    ids=["qwen2_moe-mlp_only_layers", "deepseek_v3-first_k_dense"],
+)
+def test_vllm_routing_with_an_entry_per_decoder_layer_replays_a_model_with_dense_layers(
+    model_type, overrides
+):
+    with layerswap.use_bundle(f"{model_type}-replay"):
+        model = tiny_model(model_type, **overrides)
+    assert [name for name, _ in moe_routers(model)] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+    input_ids = tiny_input_ids()
+    with torch.no_grad(), record_routing(model) as recorded:
+        expected = model(input_ids).logits
+    # vLLM: one entry per decoder layer, the dense layer 0 zero-filled.
+    arrays = _per_sequence(recorded.selected_experts, torch.ones(2, 7), moe_layers=[1, 2], num_layers=3)
+    routing = routing_from_vllm(arrays)
+    assert len(routing) == 3
+    with torch.no_grad(), replay_routing(model, routing):
+        assert_computed_close(model(input_ids).logits, expected)
+    _perturb_routers(model)
+    for layers in (routing, routing[1:]):  # every decoder layer, or the MoE layers only
+        with torch.no_grad(), replay_routing(model, layers), record_routing(model) as replayed:
+            model(input_ids)
+        _assert_same_routing(replayed.selected_experts, recorded.selected_experts)
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"has 4 layers, but the model has 2 MoE layers \(expected 2 .* or 3, one per decoder layer "
+        r"as vLLM's routed_experts has: MoE at decoder layers \[1, 2\]",
+    ):
+        _replay(model, [*routing, routing[0]])
+
+
+def test_routing_from_vllm_decodes_the_openai_servers_base64_npy():
+    array = _hand_built(5).astype(np.uint16)  # the server sends uint8 / uint16
+    offline = routing_from_vllm(array)
+    served = _npy_base64(array)
+    for response in (
+        served,
+        served.encode(),
+        {"routed_experts": served},
+        SimpleNamespace(routed_experts=served),
+    ):
+        _assert_same_routing(routing_from_vllm(response), offline)
+    _assert_same_routing(routing_from_vllm([served, served]), routing_from_vllm([array, array]))
+    with pytest.raises(
+        RoutingMismatchError, match=r"sequence 0: routed_experts is a string.*base64-encoded \.npy"
+    ):
+        routing_from_vllm("not base64")
+    with pytest.raises(RoutingMismatchError, match=r"sequence 1: .*base64-encoded \.npy.*pickle"):
+        routing_from_vllm([served, _npy_base64(np.array([{"a": 1}], dtype=object), allow_pickle=True)])
+
+
+def test_routing_from_vllm_prompt_start_replays_from_the_offset_and_routes_the_prompt_head_live():
+    model = _replayable()
+    input_ids = tiny_input_ids()
+    with torch.no_grad(), record_routing(model) as recorded:
+        model(input_ids, attention_mask=PADDED_MASK)
+    start = 2  # SamplingParams(routed_experts_prompt_start=2): vLLM's rows start at prompt token 2
+    arrays = _per_sequence(recorded.selected_experts, PADDED_MASK, one_short=True, start=start)
+    routing = routing_from_vllm(arrays, attention_mask=PADDED_MASK, prompt_start=start)
+    _perturb_routers(model)
+    with torch.no_grad(), record_routing(model) as live:
+        model(input_ids, attention_mask=PADDED_MASK)
+    with torch.no_grad(), replay_routing(model, routing), record_routing(model) as replayed:
+        model(input_ids, attention_mask=PADDED_MASK)
+    head, replayed_rows = [], []
+    for row in range(2):
+        positions = row * PADDED_MASK.shape[1] + PADDED_MASK[row].nonzero().squeeze(1)
+        head.append(positions[:start])
+        replayed_rows.append(positions[start:-1])
+    head, replayed_rows = torch.cat(head), torch.cat(replayed_rows)
+    assert any(
+        not torch.equal(free[head], rec[head])
+        for free, rec in zip(live.selected_experts, recorded.selected_experts, strict=True)
+    ), "the perturbation should change the live choice, or this test proves nothing"
+    for ours, free, rec in zip(
+        replayed.selected_experts, live.selected_experts, recorded.selected_experts, strict=True
+    ):
+        assert torch.equal(ours[head], free[head])  # the skipped prompt rows: the live router's choice
+        assert torch.equal(ours[replayed_rows], rec[replayed_rows])  # the rest: vLLM's
+    # Without a mask: the skipped rows lead each sequence, as rows of -1 (route live).
+    unpadded = routing_from_vllm([_hand_built(3), _hand_built(2)], prompt_start=[1, 2])
+    assert unpadded[0].tolist()[:1] == [[-1, -1]] and unpadded[0].tolist()[4:6] == [[-1, -1]] * 2
+    assert unpadded[0].shape == (8, TOP_K)
+
+
+def _request_output(routed_experts, prompt_tokens, output_tokens, num_outputs=1):
+    # vLLM's RequestOutput: prompt_token_ids, and one CompletionOutput per sample (n) in .outputs
+    completion = SimpleNamespace(routed_experts=routed_experts, token_ids=list(range(output_tokens)))
+    return SimpleNamespace(prompt_token_ids=list(range(prompt_tokens)), outputs=[completion] * num_outputs)
+
+
+def test_routing_from_vllm_rejects_bad_prompt_starts():
+    arrays = [_hand_built(4), _hand_built(3)]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    for bad in (-1, 1.5, True, [1], [1, -2]):
+        with pytest.raises(RoutingMismatchError, match="prompt_start"):
+            routing_from_vllm(arrays, attention_mask=mask, prompt_start=bad)
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"sequence 1 has 3 routed tokens from prompt_start 3, but row 1 of attention_mask has 4 real",
+    ):
+        routing_from_vllm(arrays, attention_mask=mask, prompt_start=[1, 3])
+    # A RequestOutput knows its prompt: the offset must lie inside it, as vLLM requires.
+    with pytest.raises(RoutingMismatchError, match=r"prompt_start 3 .* prompt has 3 tokens"):
+        routing_from_vllm(_request_output(_hand_built(2), 3, 3), prompt_start=3)
+    # 3 prompt + 3 output tokens, rows from prompt token 1: vLLM returns 3 + 3 - 1 - 1 = 4 rows.
+    assert routing_from_vllm(_request_output(_hand_built(4), 3, 3), prompt_start=1)[0].shape == (5, TOP_K)
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"sequence 0 has 4 routed tokens, but its request has 3 prompt \+ 3 output.*"
+        r"expected 5.*routed_experts_prompt_start.*prompt_start=",
+    ):
+        routing_from_vllm(_request_output(_hand_built(4), 3, 3))
+
+
+def test_a_list_of_vllm_arrays_one_row_short_without_a_mask_names_the_fix():
+    model = _replayable()
+    input_ids = tiny_input_ids()
+    with torch.no_grad(), record_routing(model) as recorded:
+        expected = model(input_ids).logits
+    unpadded = torch.ones(2, 7, dtype=torch.long)
+    arrays = _per_sequence(recorded.selected_experts, unpadded, one_short=True)
+    with pytest.raises(
+        RoutingMismatchError,
+        match=r"each of the 2 vLLM sequences is one row short.*last generated token.*attention_mask=",
+    ):
+        _replay(model, routing_from_vllm(arrays), input_ids)
+    with torch.no_grad(), replay_routing(model, routing_from_vllm(arrays, attention_mask=unpadded)):
+        replayed = model(input_ids).logits
+    assert_computed_close(
+        replayed[:, :-1], expected[:, :-1]
+    )  # the filled-in last row changes only its logits
+
+
+def test_routing_from_vllm_takes_a_request_output_with_one_completion():
+    request = _request_output(_hand_built(5), 3, 3)
+    completion = request.outputs[0]
+    _assert_same_routing(routing_from_vllm(request), routing_from_vllm(completion))
+    _assert_same_routing(routing_from_vllm([request, request]), routing_from_vllm([completion, completion]))
+    with pytest.raises(
+        BundleError, match=r"sequence 0 is a RequestOutput with 2 completions.*\.outputs\[0\]"
+    ):
+        routing_from_vllm(_request_output(_hand_built(5), 3, 3, num_outputs=2))
+    with pytest.raises(BundleError, match=r"sequence 1 is a RequestOutput with 0 completions"):
+        routing_from_vllm([request, _request_output(_hand_built(5), 3, 3, num_outputs=0)])
 
 
 # --- mismatches -------------------------------------------------------------------------------------------

@@ -12,17 +12,28 @@ before. `record_routing` stores, and `replay_routing` consumes, per-layer rows i
     with layerswap.replay_routing(model, recorded):  # same experts, weights from the live router
         model.generate(input_ids, ...)
 
-    # Training on vLLM rollouts: one forward over prompt + completion, padded.
+    # Training on vLLM rollouts (vLLM run with enable_return_routed_experts=True and enforce_eager=True):
+    # one forward over prompt + completion, padded. vLLM's arrays have an entry per decoder layer; dense
+    # layers' entries are ignored.
     routing = layerswap.routing_from_vllm([o.outputs[0] for o in request_outputs], attention_mask=mask)
     with layerswap.replay_routing(model, routing):
         model(input_ids, attention_mask=mask, labels=labels).loss.backward()
+
+Every replayed row must name top_k distinct experts: vLLM's compiled mode (0.30.0) returned all-zero rows,
+which are rejected rather than trained on. A row of -1 in every entry routes that token live (the prompt rows
+before vLLM's routed_experts_prompt_start: `routing_from_vllm(..., prompt_start=N)`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import importlib
-from collections.abc import Iterator, Sequence
+import io
+import numbers
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +55,16 @@ __all__ = ["RecordedRouting", "record_routing", "replay_routing", "routing_from_
 
 # Capture key: `model.model(..., output_selected_experts=True).selected_experts`, one [T, K] per MoE layer.
 SELECTED_EXPERTS = "selected_experts"
+
+# A routing row of all LIVE (-1) routes that token by the router's own top-k instead (routing_from_vllm's
+# prompt_start: the prompt rows vLLM did not return).
+LIVE = -1
+
+_VLLM_ZERO_FILL = (
+    "No top-k router picks an expert twice, so this routing was not produced by one: most likely it is "
+    "zero-filled. vLLM 0.30.0 in its default compiled mode returned all-zero routed_experts for every request; "
+    "run vLLM with enforce_eager=True and generate the rollouts again."
+)
 
 
 # --- finding the routers ----------------------------------------------------------------------------------
@@ -134,8 +155,10 @@ class _LayerReplay:
 
     layer: int
     name: str
-    selected: torch.Tensor  # [total_tokens, top_k], int64
+    selected: torch.Tensor  # [total_tokens, top_k], int64; rows of LIVE route live
     schedule: tuple[int, ...]  # tokens per forward, summing to total_tokens
+    routes_live: bool = False  # some rows are LIVE: the router must also compute its own choice
+    unmasked_vllm_sequences: int = 0  # routing_from_vllm's sequences, concatenated without an attention_mask
     step: int = 0
     cursor: int = 0
 
@@ -160,7 +183,15 @@ class _LayerReplay:
             f"but the recorded routing has {expected} tokens for it ({where}). Replay exactly the inputs that "
             "were recorded (same batch, same padding), in the same order."
         )
-        if num_tokens == expected + 1:
+        sequences = self.unmasked_vllm_sequences
+        if sequences > 1 and num_tokens == expected + sequences:
+            message += (
+                f" That is each of the {sequences} vLLM sequences is one row short of its prompt + output "
+                "tokens: vLLM never feeds back the last generated token, so it has no routing. Pass "
+                "attention_mask= to routing_from_vllm (torch.ones(batch, seq) for a batch without padding): it "
+                "fills that row in."
+            )
+        elif num_tokens == expected + 1:
             message += (
                 " One token short is vLLM's convention (the last generated token has no routing): pass "
                 "attention_mask to routing_from_vllm to fill it in."
@@ -174,8 +205,16 @@ def replay_routing(
     selected_experts: Sequence[torch.Tensor] | RecordedRouting,
     tokens_per_forward: Sequence[int] | None = None,
 ) -> Iterator[None]:
-    """Route every MoE layer of `model` by `selected_experts` (one [num_tokens, top_k] per MoE layer, in layer
-    order) instead of its top-k; weights are recomputed from the current router parameters, so gradients flow.
+    """Route every MoE layer of `model` by `selected_experts` instead of its top-k; weights are recomputed from
+    the current router parameters, so gradients flow.
+
+    selected_experts: integer [num_tokens, top_k] tensors, either one per MoE layer in layer order (what
+        `record_routing` gives), or one per decoder layer (`config.num_hidden_layers`, what vLLM returns and
+        `routing_from_vllm` keeps): then each router takes the entry of its decoder layer (`model.layers.N...`)
+        and the entries of dense layers (deepseek_v3's first_k_dense_replace, qwen2_moe's mlp_only_layers /
+        decoder_sparse_step) are ignored, whatever they hold. Every row must name top_k distinct experts in
+        [0, num_experts): anything else (vLLM's zero-filled rows, say) raises RoutingMismatchError before any
+        forward. A row of -1 in every entry routes that token by the router's own top-k.
 
     tokens_per_forward: how the recorded rows split over the forwards inside the block, in order (e.g.
         `generate` with a KV cache: [batch * prompt_len, batch, batch, ...]). Defaults to the recording's own
@@ -186,6 +225,7 @@ def replay_routing(
 
     `model` must have been loaded with its '<model_type>-replay' bundle enabled.
     """
+    unmasked_vllm_sequences = getattr(selected_experts, "unmasked_vllm_sequences", 0)
     if isinstance(selected_experts, RecordedRouting):
         if tokens_per_forward is None:
             tokens_per_forward = selected_experts.tokens_per_forward
@@ -199,7 +239,8 @@ def replay_routing(
                 f"Load the model with the '{model_type}-replay' bundle enabled (layerswap.enable_bundle or "
                 "use_bundle, before from_pretrained / from_config)."
             )
-    replays = _layer_replays(routers, selected_experts, tokens_per_forward)
+    per_router = _routing_per_router(model, routers, selected_experts)
+    replays = _layer_replays(routers, per_router, tokens_per_forward, unmasked_vllm_sequences)
     busy = [name for name, router in routers if router._layerswap_replay is not None]
     if busy:
         raise BundleError(f"replay_routing: {busy[0]} is already replaying; replay blocks do not nest.")
@@ -222,19 +263,55 @@ def replay_routing(
         )
 
 
-def _layer_replays(
-    routers: list[tuple[str, nn.Module]], selected_experts: Sequence[Any], tokens_per_forward: Any
-) -> list[_LayerReplay]:
-    if len(selected_experts) != len(routers):
-        raise RoutingMismatchError(
-            f"replay_routing: the routing has {len(selected_experts)} layers, but the model has "
-            f"{len(routers)} MoE layers (expected {len(routers)} tensors, one per router: "
-            f"{routers[0][0]} ... {routers[-1][0]})."
+def _decoder_layer_index(name: str) -> int | None:
+    """N of a router named like `model.layers.N.mlp.gate` (the decoder layer it lives in), else None."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def _routing_per_router(
+    model: nn.Module, routers: list[tuple[str, nn.Module]], selected_experts: Sequence[Any]
+) -> list[Any]:
+    """One entry of `selected_experts` per router: as given (one per MoE layer), or picked by decoder layer
+    index from one entry per decoder layer (vLLM's layout, dense layers included)."""
+    given = len(selected_experts)
+    if given == len(routers):
+        return list(selected_experts)
+    decoder_layers = [_decoder_layer_index(name) for name, _ in routers]
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    num_decoder_layers = getattr(text_config, "num_hidden_layers", None)
+    by_index = (
+        isinstance(num_decoder_layers, int)
+        and None not in decoder_layers
+        and len(set(decoder_layers)) == len(decoder_layers)
+        and max(decoder_layers) < num_decoder_layers  # type: ignore[type-var]
+    )
+    if by_index and given == num_decoder_layers:
+        return [selected_experts[index] for index in decoder_layers]  # type: ignore[index]
+    alternative = ""
+    if by_index and num_decoder_layers != len(routers):
+        alternative = (
+            f", or {num_decoder_layers}, one per decoder layer as vLLM's routed_experts has: MoE at decoder "
+            f"layers {decoder_layers}, the other layers' entries ignored"
         )
-    tensors = [
+    raise RoutingMismatchError(
+        f"replay_routing: the routing has {given} layers, but the model has {len(routers)} MoE layers "
+        f"(expected {len(routers)} tensors, one per router: {routers[0][0]} ... {routers[-1][0]}{alternative})."
+    )
+
+
+def _layer_replays(
+    routers: list[tuple[str, nn.Module]],
+    selected_experts: Sequence[Any],
+    tokens_per_forward: Any,
+    unmasked_vllm_sequences: int = 0,
+) -> list[_LayerReplay]:
+    checked = [
         _checked_layer(f"replay_routing: MoE layer {layer} ({name})", router, selected)
         for layer, ((name, router), selected) in enumerate(zip(routers, selected_experts, strict=True))
     ]
+    tensors = [tensor for tensor, _ in checked]
     total = tensors[0].shape[0]
     for layer, ((name, _), tensor) in enumerate(zip(routers, tensors, strict=True)):
         if tensor.shape[0] != total:
@@ -249,12 +326,22 @@ def _layer_replays(
             f"{total} tokens per layer (expected positive counts summing to {total})."
         )
     return [
-        _LayerReplay(layer, name, tensor, schedule)
-        for layer, ((name, _), tensor) in enumerate(zip(routers, tensors, strict=True))
+        _LayerReplay(layer, name, tensor, schedule, routes_live, unmasked_vllm_sequences)
+        for layer, ((name, _), (tensor, routes_live)) in enumerate(zip(routers, checked, strict=True))
     ]
 
 
-def _checked_layer(where: str, router: nn.Module, selected: Any) -> torch.Tensor:
+def _repeated_rows(selected: torch.Tensor) -> torch.Tensor:
+    """Which rows (over the last dim) name an expert more than once; vectorised, any leading shape."""
+    if selected.shape[-1] < 2:
+        return torch.zeros(selected.shape[:-1], dtype=torch.bool, device=selected.device)
+    ordered = selected.sort(dim=-1).values
+    return (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+
+
+def _checked_layer(where: str, router: nn.Module, selected: Any) -> tuple[torch.Tensor, bool]:
+    """`selected` as int64 [num_tokens, top_k], and whether it has LIVE rows; raises on a routing no top-k router
+    produces (every check is vectorised: a long rollout has millions of rows)."""
     selected = torch.as_tensor(selected)
     if selected.dim() != 2 or selected.dtype.is_floating_point or selected.dtype == torch.bool:
         raise RoutingMismatchError(
@@ -268,26 +355,74 @@ def _checked_layer(where: str, router: nn.Module, selected: Any) -> torch.Tensor
         )
     if selected.shape[0] == 0:
         raise RoutingMismatchError(f"{where}: the routing has no tokens.")
-    low, high = int(selected.min()), int(selected.max())
-    if low < 0 or high >= router.num_experts:
+    selected = selected.long()
+    num_experts = router.num_experts
+    low, high = (int(v) for v in torch.aminmax(selected))
+    if low >= 0 and high < num_experts:  # the usual case: one pass, no LIVE rows
+        live, routes_live = None, False
+    else:
+        live = (selected == LIVE).all(dim=1)
+        routes_live = bool(live.any())
+        chosen = selected[~live] if routes_live else selected
+        low, high = (int(v) for v in torch.aminmax(chosen)) if chosen.numel() else (0, 0)
+    if live is not None and (low < 0 or high >= num_experts):
+        out_of_range = ((selected < 0) | (selected >= num_experts)).any(dim=1) & ~live
+        row = int(out_of_range.nonzero()[0, 0])
         raise RoutingMismatchError(
-            f"{where}: expert ids must lie in [0, {router.num_experts}), found {low}..{high}."
+            f"{where}: expert ids must lie in [0, {num_experts}), found {low}..{high}; token row {row} has "
+            f"{selected[row].tolist()} ({int(out_of_range.sum())} of {selected.shape[0]} rows are out of range). "
+            "Only a row of -1 in every entry is allowed: it routes that token live."
         )
-    return selected.long()
+    repeated = _repeated_rows(selected)
+    if live is not None:
+        repeated &= ~live
+    if repeated.any():
+        row = int(repeated.nonzero()[0, 0])
+        raise RoutingMismatchError(
+            f"{where}: token row {row} picks experts {selected[row].tolist()}, an expert twice "
+            f"({int(repeated.sum())} of {selected.shape[0]} rows repeat an expert). {_VLLM_ZERO_FILL}"
+        )
+    return selected, routes_live
 
 
 # --- vLLM -------------------------------------------------------------------------------------------------
 
 
-def routing_from_vllm(
-    routed_experts: Any | Sequence[Any], attention_mask: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """vLLM's `CompletionOutput.routed_experts` ([seq_len, num_moe_layers, top_k] integers, numpy or torch; or
-    the CompletionOutput itself) as `replay_routing` input: one LongTensor [num_tokens, top_k] per layer.
+class _VllmRouting(list):
+    """routing_from_vllm's result: a plain list of per-layer tensors that also remembers how many vLLM sequences
+    it concatenated without an attention_mask, so that a replay one row short per sequence can say why."""
 
+    def __init__(self, tensors: list[torch.Tensor], unmasked_vllm_sequences: int) -> None:
+        super().__init__(tensors)
+        self.unmasked_vllm_sequences = unmasked_vllm_sequences
+
+
+def routing_from_vllm(
+    routed_experts: Any | Sequence[Any],
+    attention_mask: torch.Tensor | None = None,
+    *,
+    prompt_start: int | Sequence[int] = 0,
+) -> list[torch.Tensor]:
+    """vLLM's routed experts as `replay_routing` input: one LongTensor [num_tokens, top_k] per layer of vLLM's
+    array (one per decoder layer: `replay_routing` picks the MoE layers' entries).
+
+    What vLLM returns (0.30, 0.32), with the engine started with `enable_return_routed_experts=True`:
+    - offline `LLM.generate`: `RequestOutput.outputs[i].routed_experts` of each `CompletionOutput`, an integer
+      numpy array [num_prompt_tokens + num_output_tokens - 1, num_hidden_layers, top_k]: one row per token but
+      the last generated one (never fed back, so never routed), one entry per DECODER layer, dense layers
+      zero-filled. Pass the CompletionOutput, its array, or a RequestOutput with a single completion (with
+      several, pass them one by one: each is its own sequence).
+    - the OpenAI server: each choice's `routed_experts`, the same array as a base64-encoded `.npy` string
+      (uint8 / uint16). Pass the string, or the choice (object or JSON dict); decoding needs numpy.
+    - `SamplingParams(routed_experts_prompt_start=N)`: rows start at prompt token N. Pass `prompt_start=N`
+      (or one per sequence): the first N rows of each sequence become rows of -1, which `replay_routing` routes
+      by the live router; only the rows vLLM returned are replayed.
+
+    Layouts:
     - One array: its rows in order, for a forward over that one sequence.
     - A list of arrays (one per sequence) without `attention_mask`: concatenated, for a batch without padding
-      (rows are flattened row-major from [batch, seq]).
+      (rows are flattened row-major from [batch, seq]). vLLM's arrays are one row short of each sequence, so
+      this replays only inputs without each sequence's last token; pass a mask to fill that row in instead.
     - A list with `attention_mask` [batch, seq]: sequence b's rows go to the positions where row b of the mask
       is 1, in order (left or right padding alike), at flat row `b * seq + s`. Padding positions get experts
       0..top_k-1: the attention mask hides padding tokens from every real token, and each token's MoE output
@@ -296,11 +431,20 @@ def routing_from_vllm(
       A sequence may be one row short of its real tokens: vLLM never feeds back the last generated token, so
       it has no routing; its row is filled the same way (it changes only the logits after the sequence's end).
 
-    vLLM releases that return the prompt's routing separately (`RequestOutput.prompt_routed_experts`, then
-    `routed_experts` for the generated tokens only): concatenate the two along axis 0 first.
+    Checks: a row that names an expert twice or a negative id raises RoutingMismatchError (vLLM 0.30.0 in its
+    default compiled mode returned all-zero rows: run it with enforce_eager=True). A layer that is zero in every
+    row is kept as is (a dense layer's zero fill; replay_routing ignores dense layers' entries), unless every
+    layer is: then the whole array is zero-filled and rejected. A RequestOutput's token counts are checked
+    against its rows.
     """
-    arrays = list(routed_experts) if _list_depth(routed_experts) not in (0, 3) else [routed_experts]
-    tensors = [_vllm_tensor(array, index) for index, array in enumerate(arrays)]
+    items = list(routed_experts) if _list_depth(routed_experts) not in (0, 3) else [routed_experts]
+    if not items:
+        raise RoutingMismatchError("routing_from_vllm: no sequences given.")
+    starts = _prompt_starts(prompt_start, len(items))
+    tensors = [
+        _vllm_sequence(item, index, start)
+        for index, (item, start) in enumerate(zip(items, starts, strict=True))
+    ]
     num_layers, top_k = tensors[0].shape[1:]
     for index, tensor in enumerate(tensors):
         if tensor.shape[1:] != (num_layers, top_k):
@@ -308,39 +452,166 @@ def routing_from_vllm(
                 f"routing_from_vllm: sequence {index} has {tensor.shape[1]} layers and top_k {tensor.shape[2]}, "
                 f"sequence 0 has {num_layers} layers and top_k {top_k}; all must match."
             )
+    _check_vllm_expert_ids(tensors)
     if attention_mask is None:
-        flat = torch.cat(tensors)
+        live = [torch.full((start, num_layers, top_k), LIVE, dtype=torch.long) for start in starts]
+        flat = torch.cat([part for pair in zip(live, tensors, strict=True) for part in pair])
+        unmasked = len(tensors)
     else:
-        flat = _scatter_to_padded(tensors, torch.as_tensor(attention_mask), top_k)
-    return [flat[:, layer].contiguous() for layer in range(num_layers)]
+        flat = _scatter_to_padded(tensors, torch.as_tensor(attention_mask), top_k, starts)
+        unmasked = 0
+    return _VllmRouting([flat[:, layer].contiguous() for layer in range(num_layers)], unmasked)
 
 
 def _list_depth(value: Any) -> int:
-    """How deep Python lists nest: 0 for an array, 1 for a list of arrays, 3 for one sequence as nested lists
-    (vLLM's OpenAI server returns those), 4 for several."""
+    """How deep Python lists nest: 0 for an array, 1 for a list of arrays, 3 for one sequence as nested lists,
+    4 for several."""
     depth = 0
     while isinstance(value, (list, tuple)) and value:
         depth, value = depth + 1, value[0]
     return depth
 
 
-def _vllm_tensor(array: Any, index: int) -> torch.Tensor:
-    array = getattr(array, "routed_experts", array)  # a CompletionOutput
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_starts(prompt_start: Any, num_sequences: int) -> list[int]:
+    if isinstance(prompt_start, torch.Tensor):
+        prompt_start = prompt_start.tolist()
+    if _is_int(prompt_start):
+        starts = [int(prompt_start)] * num_sequences
+    elif (
+        isinstance(prompt_start, Sequence)
+        and not isinstance(prompt_start, (str, bytes))
+        and len(prompt_start) == num_sequences
+        and all(_is_int(start) for start in prompt_start)
+    ):
+        starts = [int(start) for start in prompt_start]
+    else:
+        starts = [-1]
+    if min(starts) < 0:
+        raise RoutingMismatchError(
+            f"routing_from_vllm: prompt_start must be a non-negative int (the request's "
+            f"SamplingParams.routed_experts_prompt_start), or a list of one per sequence ({num_sequences}); got "
+            f"{prompt_start!r}."
+        )
+    return starts
+
+
+def _vllm_sequence(item: Any, index: int, start: int) -> torch.Tensor:
+    """One sequence's routed experts as int64 [rows, num_layers, top_k], from whatever vLLM object holds them."""
+    num_prompt_tokens = num_output_tokens = None
+    outputs = getattr(item, "outputs", None)
+    if isinstance(outputs, (list, tuple)):  # a RequestOutput
+        if len(outputs) != 1:
+            raise BundleError(
+                f"routing_from_vllm: sequence {index} is a RequestOutput with {len(outputs)} completions; its "
+                "routing is per completion. Pass the CompletionOutputs instead: request_output.outputs[0], or "
+                "[c for r in request_outputs for c in r.outputs] to make every sample a sequence of the batch."
+            )
+        prompt_token_ids = getattr(item, "prompt_token_ids", None)
+        num_prompt_tokens = len(prompt_token_ids) if prompt_token_ids is not None else None
+        item = outputs[0]
+        token_ids = getattr(item, "token_ids", None)
+        num_output_tokens = len(token_ids) if token_ids is not None else None
+    if isinstance(item, Mapping):  # a JSON choice of vLLM's OpenAI server
+        item = item.get("routed_experts")
+    array = getattr(item, "routed_experts", item)  # a CompletionOutput, or a server choice object
     if array is None:
         raise BundleError(
             f"routing_from_vllm: sequence {index} has no routed_experts; start vLLM with "
             "enable_return_routed_experts=True."
         )
-    tensor = torch.as_tensor(array)
+    if isinstance(array, (str, bytes)):
+        array = _decode_npy(array, index)
+    try:
+        tensor = torch.as_tensor(array)
+    except (TypeError, RuntimeError, ValueError) as error:
+        raise RoutingMismatchError(
+            f"routing_from_vllm: sequence {index}: expected vLLM's routed_experts (an integer array "
+            f"[seq_len, num_layers, top_k], its base64 .npy string, or the CompletionOutput holding it), got "
+            f"{type(array).__name__} ({error})."
+        ) from error
     if tensor.dim() != 3 or tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
         raise RoutingMismatchError(
             f"routing_from_vllm: sequence {index}: expected integers [seq_len, num_layers, top_k], got "
             f"{tensor.dtype} of shape {tuple(tensor.shape)}."
         )
+    rows = tensor.shape[0]
+    if num_prompt_tokens is not None and start >= num_prompt_tokens:
+        raise RoutingMismatchError(
+            f"routing_from_vllm: sequence {index}: prompt_start {start} must be smaller than its prompt, but the "
+            f"prompt has {num_prompt_tokens} tokens (as vLLM requires of routed_experts_prompt_start)."
+        )
+    if num_prompt_tokens is not None and num_output_tokens is not None:
+        expected = num_prompt_tokens + num_output_tokens - start - 1
+        if rows not in (expected, expected + 1):
+            offset = f" from prompt_start {start}" if start else ""
+            raise RoutingMismatchError(
+                f"routing_from_vllm: sequence {index} has {rows} routed tokens, but its request has "
+                f"{num_prompt_tokens} prompt + {num_output_tokens} output tokens: expected {expected} (every token "
+                f"but the last generated one{offset}). If the request set "
+                "SamplingParams(routed_experts_prompt_start=N), pass prompt_start=N."
+            )
     return tensor.long()
 
 
-def _scatter_to_padded(tensors: list[torch.Tensor], mask: torch.Tensor, top_k: int) -> torch.Tensor:
+def _decode_npy(text: str | bytes, index: int) -> Any:
+    """vLLM's OpenAI server format: `np.save` bytes, base64-encoded."""
+    try:
+        import numpy as np
+    except ImportError as error:  # transformers needs numpy, so this is unlikely; torch does not
+        raise BundleError(
+            "routing_from_vllm: decoding vLLM's OpenAI-server routed_experts (base64 .npy) needs numpy: "
+            "pip install numpy."
+        ) from error
+    try:
+        return np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError, EOFError) as error:
+        raise RoutingMismatchError(
+            f"routing_from_vllm: sequence {index}: routed_experts is a string, but not a base64-encoded .npy "
+            f"integer array as vLLM's OpenAI server sends ({error})."
+        ) from error
+
+
+def _check_vllm_expert_ids(tensors: list[torch.Tensor]) -> None:
+    """Reject rows no top-k router produces (vectorised over every row of every sequence and layer)."""
+    flat = torch.cat(tensors)  # [rows, num_layers, top_k]
+    if flat.numel() == 0:
+        return
+    top_k = flat.shape[2]
+    has_negatives = int(flat.min()) < 0
+    ordered = flat.sort(dim=-1).values
+    # [num_layers]: zero in every row is a dense layer's zero fill (or, in every layer, a zero-filled array)
+    zero_layers = (
+        ~(ordered != 0).any(dim=2).any(dim=0) if has_negatives else ~(ordered[..., -1] != 0).any(dim=0)
+    )
+    if top_k > 1 and bool(zero_layers.all()):
+        raise RoutingMismatchError(
+            f"routing_from_vllm: the routed experts are all zeros in every layer ({flat.shape[0]} rows of "
+            f"{len(tensors)} sequence(s)). {_VLLM_ZERO_FILL}"
+        )
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1) & ~zero_layers
+    negative = ordered[..., 0] < 0 if has_negatives else torch.zeros_like(repeated)
+    bad = negative | repeated
+    if not bool(bad.any()):
+        return
+    row, layer = (int(i) for i in bad.nonzero()[0])
+    ends = torch.tensor([t.shape[0] for t in tensors]).cumsum(0)
+    sequence = int(torch.searchsorted(ends, row, right=True))
+    token_row = row - (int(ends[sequence - 1]) if sequence else 0)
+    what = "a negative expert id" if negative[row, layer] else "an expert twice"
+    raise RoutingMismatchError(
+        f"routing_from_vllm: sequence {sequence}, token row {token_row}, layer {layer}: experts "
+        f"{flat[row, layer].tolist()} name {what} ({int(bad.sum())} (row, layer) entries are invalid). "
+        f"{_VLLM_ZERO_FILL}"
+    )
+
+
+def _scatter_to_padded(
+    tensors: list[torch.Tensor], mask: torch.Tensor, top_k: int, starts: list[int]
+) -> torch.Tensor:
     if mask.dim() != 2 or mask.shape[0] != len(tensors):
         raise RoutingMismatchError(
             f"routing_from_vllm: attention_mask must be [batch, seq] with one row per sequence; got shape "
@@ -350,16 +621,18 @@ def _scatter_to_padded(tensors: list[torch.Tensor], mask: torch.Tensor, top_k: i
     num_layers = tensors[0].shape[1]
     filler = torch.arange(top_k).expand(batch * seq_len, num_layers, top_k)
     flat = filler.clone()
-    for row, tensor in enumerate(tensors):
+    for row, (tensor, start) in enumerate(zip(tensors, starts, strict=True)):
         positions = mask[row].nonzero().squeeze(1)
-        real = positions.numel()
-        if tensor.shape[0] not in (real, real - 1):
+        real, rows = positions.numel(), tensor.shape[0]
+        if start + rows not in (real, real - 1):
+            offset = f" from prompt_start {start}" if start else ""
             raise RoutingMismatchError(
-                f"routing_from_vllm: sequence {row} has {tensor.shape[0]} routed tokens, but row {row} of "
-                f"attention_mask has {real} real tokens (expected {real}, or {real - 1} when vLLM left out "
-                "the last generated token)."
+                f"routing_from_vllm: sequence {row} has {rows} routed tokens{offset}, but row {row} of "
+                f"attention_mask has {real} real tokens (expected {real - start}, or {real - start - 1} when vLLM "
+                "left out the last generated token)."
             )
-        flat[row * seq_len + positions[: tensor.shape[0]]] = tensor
+        flat[row * seq_len + positions[:start]] = LIVE
+        flat[row * seq_len + positions[start : start + rows]] = tensor
     return flat
 
 

@@ -183,3 +183,22 @@ def test_from_pretrained_loads_a_stock_checkpoint_with_no_missing_keys(model_typ
     input_ids = tiny_input_ids()
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids).logits, stock(input_ids).logits)
+
+
+@pytest.mark.parametrize("model_type", REPLAY_TYPES)
+def test_rows_of_minus_one_take_the_live_routers_choice(model_type):
+    # routing_from_vllm(prompt_start=N) leaves the N prompt rows vLLM did not return as rows of -1: the router
+    # routes them itself (stock selection: correction biases, group top-k) while it replays the others.
+    stock, replayable = _stock_and_replayable(model_type)
+    input_ids = tiny_input_ids()
+    with torch.no_grad():
+        with record_routing(stock) as stock_routing:
+            expected = stock(input_ids).logits
+        partly_live = [t.clone() for t in stock_routing.selected_experts]
+        for tensor in partly_live:
+            tensor[2:9] = -1
+        with replay_routing(replayable, partly_live), record_routing(replayable) as replayed:
+            logits = replayable(input_ids).logits
+    for ours, theirs in zip(replayed.selected_experts, stock_routing.selected_experts, strict=True):
+        assert torch.equal(ours, theirs)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

@@ -5,7 +5,8 @@ and output recorders (`OutputRecorder(StockRouter, index=0)`) keep matching it. 
 stock forward unchanged. With a replay set (by `layerswap.replay_routing`) it takes the recorded indices and
 recomputes only their weights from the CURRENT router parameters, the way the family computes the weights of the
 experts it selects, so gradients reach the router. Everything the family uses only to *choose* experts (score
-correction bias, group-limited top-k, Ernie's moe_statics) is skipped: the choice is given.
+correction bias, group-limited top-k, Ernie's moe_statics) is skipped: the choice is given. Rows of -1 (tokens
+the replay leaves to the router, e.g. vLLM's skipped prompt rows) take the stock forward's own choice first.
 
 Each scorer below mirrors one stock forward line by line (same dtypes, same epsilons), so that replaying a
 recording with unchanged weights reproduces the stock logits bit for bit; tests/adapters/test_routers.py checks
@@ -30,6 +31,10 @@ Scorer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 class ReplaySource(Protocol):
     """What a replayable router reads its expert choices from (set by layerswap.routing.replay_routing)."""
+
+    # True when some rows are all -1: those tokens take the router's own top-k (e.g. the prompt rows before
+    # vLLM's routed_experts_prompt_start), so the router also computes its own choice.
+    routes_live: bool
 
     def take(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """The [num_tokens, top_k] expert indices for the tokens of this call."""
@@ -259,6 +264,24 @@ SCORERS: dict[str, Scorer] = {
 # --- the adapter ------------------------------------------------------------------------------------------
 
 
+def _with_live_choices(
+    router: Any,
+    original: type[nn.Module],
+    selected: torch.Tensor,
+    hidden_states: torch.Tensor,
+    args: Any,
+    kwargs: Any,
+) -> torch.Tensor:
+    """`selected` with its rows of -1 replaced by the stock forward's own choice for those tokens. The weights are
+    then computed for all rows alike by the scorer, which for the stock choice gives the stock weights."""
+    live = selected < 0  # whole rows: replay_routing allows -1 only in every entry of a row
+    # phimoe's training-mode jitter scales hidden_states in place: the scorer must still see them unscaled.
+    own_input = hidden_states.detach().clone() if router.training else hidden_states.detach()
+    with torch.no_grad():
+        own_choice = original.forward(router, own_input, *args, **kwargs)[2]
+    return torch.where(live, own_choice.to(selected.dtype).reshape(selected.shape), selected)
+
+
 def replayable_router_adapter(scorer: Scorer) -> Callable[[type[nn.Module], BundleOptions], type[nn.Module]]:
     """An AdapterFactory: the subclass of a stock router that replays expert choices, weighing them by
     `scorer`."""
@@ -272,6 +295,8 @@ def replayable_router_adapter(scorer: Scorer) -> Callable[[type[nn.Module], Bund
                 return original.forward(self, hidden_states, *args, **kwargs)
             num_tokens = hidden_states.numel() // hidden_states.shape[-1]
             selected = replay.take(num_tokens, hidden_states.device)
+            if replay.routes_live:
+                selected = _with_live_choices(self, original, selected, hidden_states, args, kwargs)
             router_logits, weights = scorer(self, hidden_states, selected, *args, **kwargs)
             return router_logits, weights, selected
 

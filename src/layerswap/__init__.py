@@ -18,6 +18,7 @@ from ._errors import (
     RoutingMismatchError,
     UnknownBundleError,
     UnsupportedTransformersError,
+    WeightConversionError,
 )
 from ._registry import (
     disable_bundle,
@@ -48,6 +49,7 @@ __all__ = [
     "RoutingMismatchError",
     "UnknownBundleError",
     "UnsupportedTransformersError",
+    "WeightConversionError",
     "__version__",
     "calibrate_all_experts",
     "disable_bundle",

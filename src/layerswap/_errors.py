@@ -27,6 +27,11 @@ class MissingExpertWeightsError(BundleError):
     randomly initialised would silently corrupt the model."""
 
 
+class WeightConversionError(BundleError, RuntimeError):
+    """A quantizer or conversion op failed on weights the checkpoint has, so transformers skipped them (stock
+    transformers raises RuntimeError for the same load; this is one too)."""
+
+
 class IncompatibleQuantizerError(BundleError):
     """A quantizer that cannot work with a bundle's module layout."""
 

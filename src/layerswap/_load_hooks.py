@@ -3,7 +3,8 @@
 - `patch_output_recorders` rewrites `_can_record_outputs` on model classes in place, and nothing in transformers
   undoes it; the wrapper journals every dict and recorder before it is rewritten, so disabling restores them.
 - `PreTrainedModel._finalize_model_loading` would give swapped-in modules whose weights the checkpoint lacks a
-  random init; the wrapper raises MissingExpertWeightsError first, warns when a bundle swapped nothing, and
+  random init; the wrapper raises MissingExpertWeightsError first (WeightConversionError when it was the quantizer
+  that failed on weights the checkpoint has), warns when a bundle swapped nothing, and
   after a quantized load keeps quantized swapped-in layers saving as they are and trims the heap.
 - `HfQuantizer.preprocess_model` refuses quantizers that cannot work with a bundle, and makes the quantizer of a
   model with swapped-in modules quantize one weight per call, handing the heap's freed transients back to the OS
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 import sys
 import threading
 import warnings
@@ -29,7 +31,12 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.output_capturing import OutputRecorder
 
-from ._errors import IncompatibleQuantizerError, LayerswapWarning, MissingExpertWeightsError
+from ._errors import (
+    IncompatibleQuantizerError,
+    LayerswapWarning,
+    MissingExpertWeightsError,
+    WeightConversionError,
+)
 
 # (owner, attribute name, original value as found in owner.__dict__)
 _installed: list[tuple[Any, str, Any]] = []
@@ -309,6 +316,7 @@ def _raise_on_missing_swapped_weights(
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
     source = getattr(load_config, "pretrained_model_name_or_path", "the checkpoint")
+    conversion_note = _raise_on_failed_quantization(prefixes, missing, source, load_config, loading_info)
     if any(".experts." in key for key in missing):
         layouts = "per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'"
     else:
@@ -317,7 +325,64 @@ def _raise_on_missing_swapped_weights(
         f"{source} lacks {len(missing)} weight(s) of modules that layerswap swapped in: {shown}. Loading "
         "would leave them randomly initialised. Check that the checkpoint is complete and of this model "
         f"family ({layouts}); to start from random weights on purpose, use from_config instead of from_pretrained."
+        f"{conversion_note}"
     )
+
+
+def _raise_on_failed_quantization(
+    prefixes: list[str], missing: list[str], source: str, load_config: Any, loading_info: Any
+) -> str:
+    """Missing weights may be weights the checkpoint has: when an op raises on a group of weights, transformers
+    records the op's error in `loading_info.conversion_errors` (keyed by the group's first target weight) and
+    skips the whole group, which then counts as missing. When the quantizer's op failed, raise its error (the
+    checkpoint is complete). Any other op's error (layerswap's conversions raise on weights the checkpoint lacks)
+    is returned as a note for the missing-weights error."""
+    errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
+    failed = {key: text for key, text in errors.items() if any(key.startswith(p) for p in prefixes)}
+    if not failed:
+        return ""
+    first_key, first_text = min(failed.items())
+    op_name, error = _summarize_conversion_error(first_text)
+    quantizer = getattr(load_config, "hf_quantizer", None)
+    if quantizer is None or op_name is None or op_name != _quantize_op_name(quantizer):
+        return f" While loading, {op_name or 'a conversion op'} on {first_key} raised {error}."
+    failed_prefixes = [p for p in prefixes if any(key.startswith(p) for key in failed)]
+    explained = [key for key in missing if any(key.startswith(p) for p in failed_prefixes)]
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    method = getattr(method, "value", method) or type(quantizer).__name__
+    raise WeightConversionError(
+        f"{source} has the weights of the modules layerswap swapped in (the checkpoint is complete), but the "
+        f"{method} quantizer failed on them while loading: {op_name} on {first_key} raised {error}. transformers "
+        f"skipped every weight its quantize op failed on, so {len(explained)} weight(s) of modules layerswap "
+        f"swapped in would be left randomly initialised ({len(failed)} failed op call(s) under them, {len(errors)} "
+        "in the whole load). Stock transformers fails the same load ('issues during automatic conversion of the "
+        f"weights'). Fix what the quantizer reports (a {method} configuration its kernels support on this device, "
+        "or the package it asks for), or load without quantization_config."
+    )
+
+
+def _summarize_conversion_error(text: str) -> tuple[str | None, str]:
+    """(op class name, 'ExceptionType: message') from a `conversion_errors` entry, which transformers writes as
+    the formatted traceback, then the message, then 'Error: <Op> on tensors destined for ...' (5.x)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    op_name = None
+    for line in reversed(lines):
+        match = re.match(r"Error(?: via)?:? (\w+)", line)
+        if match:
+            op_name = match.group(1)
+            break
+    exception = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Warning|Exit): ", line)]
+    if exception:
+        return op_name, exception[-1].strip()
+    plain = [line for line in lines if not line.startswith((" ", "Traceback", "Error"))]
+    return op_name, (plain[-1].strip() if plain else lines[-1].strip() if lines else "an unknown error")
+
+
+def _quantize_op_name(quantizer: Any) -> str | None:
+    try:
+        return type(quantizer.get_quantize_ops()).__name__
+    except Exception:  # a quantizer without quantize ops, or one that cannot build them here
+        return None
 
 
 def _warn_on_bundles_that_swapped_nothing(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ._bundle import Bundle, BundleOptions, Patch
-from ._compat import TRANSFORMERS_VERSION
+from ._compat import unsupported_reason
 from ._errors import FusedQKVParallelismError, UnsupportedTransformersError
 from .adapters.attention import FusedQKVAttention, fused_qkv_adapter
 from .conversions.qkv import fused_qkv_conversions
@@ -54,18 +54,12 @@ _guard_original: Any = None
 
 
 def _distributed_mixin() -> type:
-    try:
-        from transformers.distributed.mixin import DistributedMixin
-    except ImportError as error:
-        raise UnsupportedTransformersError(
-            f"The '-fused_qkv' bundles guard tensor parallelism through transformers.distributed.mixin, which "
-            f"transformers {TRANSFORMERS_VERSION} lacks ({error}). Upgrade to transformers >= 5.24."
-        ) from error
-    if _ATTRIBUTE not in DistributedMixin.__dict__:
-        raise UnsupportedTransformersError(
-            f"transformers {TRANSFORMERS_VERSION} has no DistributedMixin.{_ATTRIBUTE}, where the '-fused_qkv' "
-            "bundles refuse tensor-parallel plans. Upgrade to transformers >= 5.24."
-        )
+    # enable_bundle refuses first (_compat.refuse_unsupported); this guards a direct call.
+    reason = unsupported_reason("fused_qkv")
+    if reason is not None:
+        raise UnsupportedTransformersError(f"{reason}.")
+    from transformers.distributed.mixin import DistributedMixin
+
     return DistributedMixin
 
 

@@ -120,24 +120,23 @@ _find_replacement_class = getattr(monkey_patching, "_find_replacement_class", No
 @contextmanager
 def _swap_classes() -> Iterator[None]:
     """transformers' apply_patches, without its cost: it lists the names of every transformers module with `dir()`,
-    which takes ~40 ms for each of its lazy modules (0.33 s of every model build, doubling a 325 MiB load). The
-    names `dir()` gives that can hold a class are the module's `__dict__` and, for a lazy module, its `__all__`;
-    this swaps exactly the classes transformers would, matched by its own `_find_replacement_class`."""
+    which takes ~40 ms for each of its lazy modules (0.33 s of every model build, doubling a 325 MiB load). This
+    swaps the classes bound in each imported transformers module's `__dict__`, matched by transformers' own
+    `_find_replacement_class`, and gets nothing through the module: a lazy module's names not imported yet, and
+    whatever an alias module's `__getattr__` serves, would be imported on access (transformers 5.17 aliases every
+    image-processor module that way, and getting its `__all__` imported torchvision). The classes a model build
+    uses are bound in its modeling module, which is imported by then."""
     mapping = monkey_patching.get_patch_mapping()
     swapped: list[tuple[Any, str, type]] = []
     if mapping:
         for module in list(sys.modules.values()):
             if not getattr(module, "__name__", "").startswith("transformers") or isinstance(module, type):
                 continue
-            for name in {*vars(module), *getattr(module, "__all__", ())}:
+            for name, value in list(vars(module).items()):
+                if not isinstance(value, type):
+                    continue
                 replacement = _find_replacement_class(name, mapping)
-                if replacement is None:
-                    continue
-                try:
-                    value = getattr(module, name)
-                except (AttributeError, TypeError, ImportError):
-                    continue
-                if isinstance(value, type):
+                if replacement is not None:
                     swapped.append((module, name, value))
                     setattr(module, name, replacement)
     try:

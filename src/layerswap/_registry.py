@@ -17,7 +17,7 @@ from transformers import conversion_mapping, monkey_patching
 
 from . import _load_hooks
 from ._bundle import Bundle, BundleOptions, Patch
-from ._compat import TRANSFORMERS_VERSION
+from ._compat import TRANSFORMERS_VERSION, refuse_unsupported
 from ._errors import BundleConflictError, BundleError, UnknownBundleError, UnsupportedTransformersError
 
 _LOCK = threading.RLock()
@@ -104,6 +104,7 @@ def enable_bundle(name: str, **options: Any) -> Bundle:
 
 def _enable(name: str, options: dict[str, Any]) -> Bundle:
     bundle = get_bundle(name)
+    refuse_unsupported(bundle)  # an internal this kind of bundle needs is missing
     resolved = bundle.make_options(options)
     with _LOCK:
         current = _enabled.get(name)

@@ -9,18 +9,28 @@ from collections.abc import Sequence
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
+    from ._compat import TRANSFORMERS_VERSION, bundle_requirement
 
     bundles = list_bundles()
+    # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
+    needs = {b.name: need for b in bundles if (need := bundle_requirement(b)) is not None}
     if args.markdown:
         print("| bundle | purpose | model types | what it does |")
         print("| --- | --- | --- | --- |")
         for b in bundles:
-            print(f"| `{b.name}` | {b.purpose} | {', '.join(b.model_types)} | {b.description} |")
+            note = f" Needs {needs[b.name]}." if b.name in needs else ""
+            print(f"| `{b.name}` | {b.purpose} | {', '.join(b.model_types)} | {b.description}{note} |")
         return 0
     width = max(len(b.name) for b in bundles)
     for b in bundles:
-        print(f"{b.name:<{width}}  {b.purpose:<10} {b.description.split('.')[0]}")
+        note = f"  [needs {needs[b.name]}]" if b.name in needs else ""
+        print(f"{b.name:<{width}}  {b.purpose:<10} {b.description.split('.')[0]}{note}")
     print(f"\n{len(bundles)} bundles. `layerswap list --markdown` prints the catalog for docs.")
+    if needs:
+        print(
+            f"{len(needs)} of them need a newer transformers than the installed {TRANSFORMERS_VERSION} "
+            "(marked [needs ...]); enable_bundle refuses them."
+        )
     return 0
 
 

@@ -119,7 +119,9 @@ def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs
         "has_gate": True,
         "has_post_expert_norm": False,
     }
-    found = {key: getattr(reference, key, None) for key in layout}
+    # A flag a release does not set yet reads as the stock layout (has_post_expert_norm is 5.20's: 5.15-5.19
+    # have no such norm).
+    found = {key: getattr(reference, key, value) for key, value in layout.items()}
     shapes_ok = (
         getattr(reference, "gate_up_proj", None) is not None
         and getattr(reference, "down_proj", None) is not None

@@ -10,6 +10,7 @@ layout: per-expert for families whose stock conversions merge per-expert keys, f
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,10 @@ def _with_own_storage(piece: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=piece.dtype).set_(storage, 0, piece.shape, piece.stride())
 
 
+# WeightConverter takes force_cpu from transformers 5.16 on; 5.15's converters always convert where they load.
+_TAKES_FORCE_CPU = "force_cpu" in inspect.signature(WeightConverter.__init__).parameters
+
+
 class FusedToLinearExperts(WeightConverter):
     """Loads a fused experts tensor into LinearExperts' per-expert weights.
 
@@ -142,7 +147,9 @@ class FusedToLinearExperts(WeightConverter):
         per_expert_targets: tuple[str, ...] = (),
         saves_fused: bool = False,
     ) -> None:
-        super().__init__(source_patterns, target_patterns, operations, force_cpu)
+        super().__init__(
+            source_patterns, target_patterns, operations, *([force_cpu] if _TAKES_FORCE_CPU else [])
+        )
         self.per_expert_targets = per_expert_targets
         self.saves_fused = saves_fused
 
@@ -162,13 +169,31 @@ class FusedToLinearExperts(WeightConverter):
         if len(self.per_expert_targets) == 2:
             operations.append(Concatenate(dim=1))
         operations += [op.reverse_op for op in self.operations[-2::-1]]
-        reverse = WeightConverter(
+        reverse = _MergeToFusedExperts(
             source_patterns=list(self.per_expert_targets),
             target_patterns=list(self._original_source_patterns),
             operations=operations,
         )
         reverse.scope_prefix, reverse.base_model_prefix = self.scope_prefix, self.base_model_prefix
         return reverse
+
+
+class _MergeToFusedExperts(WeightConverter):
+    """Saves per-expert weights merged into one fused tensor, named by the key transformers converts it for.
+
+    That key is the full name the tensor saves under, whichever order transformers renames in: from 5.16 on it
+    converts first and renames the result; 5.15 renames first, so a converter whose stock name a renaming then
+    changes (granitemoe's `experts.gate_up_proj` -> `input_linear.weight`) found no prefix to keep and saved
+    `experts.gate_up_proj` at the top level. Naming the one result by that key is what later releases do anyway.
+    """
+
+    __slots__ = ()
+
+    def convert(self, layer_name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        converted = super().convert(layer_name, *args, **kwargs)
+        if len(converted) == 1 and len(self.target_patterns) == 1 and "*" not in layer_name:
+            return {layer_name: next(iter(converted.values()))}
+        return converted
 
 
 def _never_matching_renaming() -> WeightRenaming:

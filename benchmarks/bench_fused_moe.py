@@ -6,13 +6,18 @@
 
 One experts module (`<Family>Experts`, weights from torch.randn, never downloaded) per shape from
 model_shapes.json (shipped in layerswap/data; $LAYERSWAP_MODEL_SHAPES overrides it). Providers:
-stock eager, grouped_mm, batched_mm, and layerswap (`fused_experts_forward` -> `fused_moe`, backend
-chosen automatically: Triton on CUDA, the PyTorch path on CPU). In the same run
+stock eager, grouped_mm, batched_mm; layerswap (`fused_experts_forward` -> `fused_moe`, backend
+chosen automatically: Triton on CUDA, on CPU the strategy this machine calibrated, see
+layerswap.kernels.cpu_dispatch); quant (the `<model_type>-quant` bundle's LinearExperts, one nn.Linear per
+projection, on the same weights, unquantized); and, on request only, ls-stock / ls-layerswap / ls-upcast
+(layerswap with LAYERSWAP_CPU_STRATEGY forcing one CPU strategy, to see every branch side by side). In the same run
 it measures the machine's memory bandwidth and plain-GEMM throughput, and reports each time as a ratio to the
 best stock backend and as a share of the roofline max(active-expert bytes / bandwidth, FLOPs / GEMM rate).
 Routing is uniform random top-k, a different draw for consecutive calls, and a 512 MiB buffer is written
 before each timed call, so every call reads its experts' weights from memory (as in a real forward pass).
-CSV columns: kernel, provider, shape, dtype, T, metric, median, p20, p80, device.
+CSV columns: kernel, provider, shape, dtype, T, metric, median, p20, p80, device, plan (the CPU strategy the
+layerswap provider ran), then the machine (benchmarks/machine.py): cpu_model, cpu_flags, cpu_cores, threads,
+torch, transformers.
 """
 
 from __future__ import annotations
@@ -34,17 +39,35 @@ from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 try:
-    import layerswap  # noqa: F401
+    import layerswap
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT / "src"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import layerswap  # noqa: E402
 from layerswap.adapters.fused_experts import fused_experts_forward  # noqa: E402
+from layerswap.kernels import plan_for  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
+from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
 
 SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 STOCK = ("eager", "grouped_mm", "batched_mm")
-PROVIDERS = (*STOCK, "layerswap")
-CSV_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
+PROVIDERS = (*STOCK, "layerswap", "quant")
+FORCED = {"ls-stock": "stock", "ls-layerswap": "layerswap", "ls-upcast": "upcast"}  # on request only
+CSV_FIELDS = (
+    "kernel",
+    "provider",
+    "shape",
+    "dtype",
+    "T",
+    "metric",
+    "median",
+    "p20",
+    "p80",
+    "device",
+    "plan",
+    *MACHINE_FIELDS,
+)
 ROUTING_DRAWS = 7  # more than the providers, so that consecutive calls never share a routing
 
 
@@ -119,6 +142,28 @@ def build_experts(shape: ExpertsShape, dtype: torch.dtype, device: torch.device)
     return experts
 
 
+def build_quant_experts(shape: ExpertsShape, experts: nn.Module) -> nn.Module:
+    """The `<model_type>-quant` bundle's LinearExperts on `experts`' weights (views, no copy), unquantized: what
+    a -quant model runs before a quantizer replaces its nn.Linear layers."""
+    bundle = layerswap.get_bundle(f"{shape.model_type}-quant")
+    original = type(experts)
+    patch = next(p for p in bundle.patches if p.class_name == original.__name__)
+    quant_class = patch.adapter(original, bundle.make_options({}))
+    with torch.device("meta"):
+        quant = quant_class(experts.config)
+    intermediate = shape.intermediate
+    for index, expert in enumerate(quant):
+        names = expert.names
+        weights = {
+            names.gate: experts.gate_up_proj[index, :intermediate],
+            names.up: experts.gate_up_proj[index, intermediate:],
+            names.down: experts.down_proj[index],
+        }
+        for name, weight in weights.items():
+            getattr(expert, name).weight = nn.Parameter(weight, requires_grad=False)
+    return quant
+
+
 def make_inputs(shape: ExpertsShape, num_tokens: int, dtype: torch.dtype, device: torch.device, seed: int):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, shape.hidden, generator=generator).to(device, dtype)
@@ -127,9 +172,25 @@ def make_inputs(shape: ExpertsShape, num_tokens: int, dtype: torch.dtype, device
     return x, index.to(device), (weights / weights.sum(-1, keepdim=True)).to(device, dtype)
 
 
-def provider_fn(name: str) -> Callable[..., torch.Tensor]:
+def provider_fn(name: str, quant: nn.Module | None = None) -> Callable[..., torch.Tensor]:
     if name == "layerswap":
         return fused_experts_forward  # what experts_implementation="layerswap" runs
+    if name == "quant":
+        return lambda m, x, i, w: quant(x, i, w)
+    if name in FORCED:
+
+        def forced(m: nn.Module, x: torch.Tensor, i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            previous = os.environ.get("LAYERSWAP_CPU_STRATEGY")
+            os.environ["LAYERSWAP_CPU_STRATEGY"] = FORCED[name]
+            try:
+                return fused_experts_forward(m, x, i, w)
+            finally:
+                if previous is None:
+                    del os.environ["LAYERSWAP_CPU_STRATEGY"]
+                else:
+                    os.environ["LAYERSWAP_CPU_STRATEGY"] = previous
+
+        return forced
 
     def stock(m: nn.Module, x: torch.Tensor, i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         m.config._experts_implementation = name
@@ -241,15 +302,30 @@ def measure_machine(dtypes: Sequence[torch.dtype], device: torch.device) -> Mach
         _median_ms(buffer.sum, device), _median_ms(lambda: torch.mv(buffer.view(-1, 8192), vector), device)
     )
     gemm = {}
-    for dtype in dtypes:
-        n = 8192 if device.type == "cuda" else (2048 if dtype == torch.float32 else 4096)
-        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-        gemm[dtype] = 2 * n**3 / _median_ms(lambda a=a, b=b: torch.mm(a, b), device) / 1e6
+    for dtype in dict.fromkeys([torch.float32, *dtypes]):
+        gemm[dtype] = _gemm_gflops(dtype, device)
+    if device.type == "cpu":
+        # Where torch's reduced-precision GEMM is emulated (AVX2-only CPUs: ~1% of the fp32 rate), converting to
+        # fp32 and running the fp32 GEMM is the machine's real limit for that dtype.
+        gemm = {d: max(g, gemm[torch.float32]) for d, g in gemm.items()}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
-    return MachineLimits(name, numel * 4 / read_ms / 1e6, gemm)
+    return MachineLimits(name, numel * 4 / read_ms / 1e6, {d: gemm[d] for d in dtypes})
 
 
-def row(kernel, provider, shape, dtype, tokens, metric, stats, device) -> dict[str, object]:
+def _gemm_gflops(dtype: torch.dtype, device: torch.device) -> float:
+    """Square-GEMM throughput, at the size (up to 8192 on a GPU, 2048-4096 on a CPU) where one call takes
+    about 50 ms or more, so that a slow (emulated) dtype does not take minutes."""
+    largest = 8192 if device.type == "cuda" else (2048 if dtype == torch.float32 else 4096)
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        ms = _median_ms(lambda a=a, b=b: torch.mm(a, b), device, reps=3 if n < largest else 10)
+        if n >= largest or ms > 50:
+            return 2 * n**3 / ms / 1e6
+        n *= 2
+
+
+def row(kernel, provider, shape, dtype, tokens, metric, stats, device, plan="-") -> dict[str, object]:
     median, p20, p80 = stats
     return dict(
         zip(
@@ -265,6 +341,8 @@ def row(kernel, provider, shape, dtype, tokens, metric, stats, device) -> dict[s
                 f"{p20:.6g}",
                 f"{p80:.6g}",
                 device,
+                plan,
+                *machine_fields().values(),
             ),
             strict=True,
         )
@@ -283,6 +361,7 @@ def case_rows(
     budget_s: float,
     gather_limit_gib: float,
     flush: CacheFlush,
+    quant: nn.Module | None = None,
 ) -> list[dict[str, object]]:
     """Latency, ratio to the best stock backend and roofline share of every provider at one (shape, dtype, T)."""
     draws = [make_inputs(shape, num_tokens, dtype, device, seed) for seed in range(ROUTING_DRAWS)]
@@ -300,18 +379,31 @@ def case_rows(
                 file=sys.stderr,
             )
             continue
-        fn = provider_fn(provider)
+        fn = provider_fn(provider, quant)
         calls[provider] = lambda i, fn=fn: fn(experts, *draws[i % ROUTING_DRAWS])
     with torch.inference_mode():
-        timed = time_interleaved(calls, device, reps, budget_s, between=flush)
+        timed = time_interleaved(calls, device, reps, budget_s, between=flush)  # the warm-up calibrates
+        plan = "-"
+        if "layerswap" in calls and device.type == "cpu":
+            x, index, _ = draws[0]
+            plan = plan_for(x, experts.gate_up_proj, experts.down_proj, index).describe()
     stats = {p: summarize(t) for p, t in timed.items()}
 
     where = (shape.name, dtype, num_tokens)
     rows = [row("moe_experts", "roofline", *where, "ms", (roofline,) * 3, limits.device_name)]
     best_stock = min((stats[p][0] for p in STOCK if p in stats), default=None)
     for provider, (median, p20, p80) in stats.items():
+        plan_used = plan if provider == "layerswap" else "-"
         rows.append(
-            row("moe_experts", provider, *where, "latency_ms", (median, p20, p80), limits.device_name)
+            row(
+                "moe_experts",
+                provider,
+                *where,
+                "latency_ms",
+                (median, p20, p80),
+                limits.device_name,
+                plan_used,
+            )
         )
         share = (roofline / median, roofline / p80, roofline / p20)
         rows.append(row("moe_experts", provider, *where, "roofline_share", share, limits.device_name))
@@ -363,12 +455,14 @@ def sweep(
         def tqdm(iterable, **_):
             return iterable
 
+    print(f"# {machine_label()}")
     cases = [(s, d, t) for s in shapes for d in dtypes for t in tokens]
-    experts, built_for = None, None
+    experts, quant, built_for = None, None, None
     for shape, dtype, num_tokens in tqdm(cases, desc="fused_moe sweep", file=sys.stderr):
         if built_for != (shape, dtype):
-            experts = None  # free the previous 1-2.5 GB before building the next
+            experts = quant = None  # free the previous 1-2.5 GB before building the next
             experts, built_for = build_experts(shape, dtype, device), (shape, dtype)
+            quant = build_quant_experts(shape, experts) if "quant" in providers else None
         rows += case_rows(
             experts,
             shape,
@@ -381,6 +475,7 @@ def sweep(
             budget_s,
             gather_limit_gib,
             flush,
+            quant,
         )
     return rows
 
@@ -393,17 +488,23 @@ def print_table(rows: Sequence[dict[str, object]]) -> None:
             table.setdefault((r["shape"], r["dtype"], r["T"]), {}).setdefault(r["provider"], {})[
                 r["metric"]
             ] = r["median"]
+    shown = [p for p in (*PROVIDERS, *FORCED) if any(p in by for by in table.values())]
+    ratios = [p for p in shown if p not in STOCK]
+    plans = {(r["shape"], r["dtype"], r["T"]): r["plan"] for r in rows if r.get("plan", "-") != "-"}
     print(
         f"{'shape':18} {'dtype':9} {'T':>5} | "
-        + " ".join(f"{p:>10}" for p in PROVIDERS)
-        + f" | {'roofline':>8} | {'vs best stock':>13} {'roofline share':>14}"
+        + " ".join(f"{p:>10}" for p in shown)
+        + f" | {'roofline':>8} | "
+        + " ".join(f"{p + '/best':>14}" for p in ratios)
+        + f" | {'layerswap roofline share':>14} | plan"
     )
     for (shape, dtype, tokens), by_provider in table.items():
-        ms = " ".join(f"{by_provider.get(p, {}).get('latency_ms', '-'):>10}" for p in PROVIDERS)
+        ms = " ".join(f"{by_provider.get(p, {}).get('latency_ms', '-'):>10}" for p in shown)
+        ratio = " ".join(f"{by_provider.get(p, {}).get('ratio_vs_best_stock', '-'):>14}" for p in ratios)
         ours = by_provider.get("layerswap", {})
         print(
-            f"{shape:18} {dtype:9} {tokens:>5} | {ms} | {by_provider['roofline']['ms']:>8} | "
-            f"{ours.get('ratio_vs_best_stock', '-'):>13} {ours.get('roofline_share', '-'):>14}"
+            f"{shape:18} {dtype:9} {tokens:>5} | {ms} | {by_provider['roofline']['ms']:>8} | {ratio} | "
+            f"{ours.get('roofline_share', '-'):>14} | {plans.get((shape, dtype, tokens), '-')}"
         )
 
 
@@ -412,7 +513,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 512])
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        default=list(PROVIDERS),
+        choices=[*PROVIDERS, *FORCED],
+        help="ls-stock / ls-layerswap / ls-upcast force one CPU strategy of layerswap's (not in the default)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5, help="at least this many timed calls per provider")
     parser.add_argument(

@@ -63,6 +63,28 @@ def test_forward_matches_stock(family: str, num_tokens: int) -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+# Each CPU strategy the dispatch can pick (forced, so none goes untested on a CPU that would not pick it),
+# through the experts backend, in bf16 against stock grouped_mm: T=2 (one row per expert, the direct side of
+# upcast), T=64 (16 rows per expert, converted to fp32).
+@pytest.mark.parametrize("num_tokens", [2, 64])
+@pytest.mark.parametrize("strategy", ["stock", "layerswap", "upcast"])
+def test_every_cpu_strategy_matches_stock_bf16(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, num_tokens: int
+) -> None:
+    monkeypatch.setenv("LAYERSWAP_CPU_STRATEGY", strategy)
+    model = tiny_model("qwen3_moe")
+    scale_experts(model)
+    experts = first_experts(model).to(torch.bfloat16)
+    x = torch.randn(num_tokens, model.config.hidden_size).bfloat16()
+    index, weights = routing(num_tokens, experts.num_experts, model.config.num_experts_per_tok)
+    experts.config._experts_implementation = "grouped_mm"
+    with torch.no_grad():
+        expected = experts(x, index, weights.bfloat16())
+        got = fused_experts_forward(experts, x, index, weights.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
 def test_whole_model_with_layerswap_backend_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real_fused_moe = fused_experts.fused_moe

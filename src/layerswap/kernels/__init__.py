@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+from ._cpu_strategies import Plan
+from .cpu_dispatch import CpuInfo, cpu_info, plan_for
 from .fused_moe import KernelInputError, TileConfig, fused_moe
 from .reference import fused_moe_reference
 
-__all__ = ["KernelInputError", "TileConfig", "fused_moe", "fused_moe_reference"]
+__all__ = [
+    "CpuInfo",
+    "KernelInputError",
+    "Plan",
+    "TileConfig",
+    "cpu_info",
+    "fused_moe",
+    "fused_moe_reference",
+    "plan_for",
+]

@@ -3,7 +3,9 @@
     out = fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")
 
 The Triton kernels live in `_triton_fused_moe` and are imported only when the Triton backend runs, so this
-module (and the torch backend) work without triton installed. Under torch.compile the call goes through the
+module (and the torch backend) work without triton installed. On CPU the torch backend runs the strategy
+this machine measured fastest for the dtype, token count and shape (`cpu_dispatch`); elsewhere, and whenever
+autograd needs gradients, `fused_moe_reference`. Under torch.compile the call goes through the
 custom op `layerswap::fused_moe`, which `torch.compile(fullgraph=True)` treats as one opaque node (the torch
 backend's per-expert loop depends on routing values and could not be traced otherwise); eager calls run the
 same implementation directly.
@@ -20,6 +22,7 @@ from typing import Literal
 import torch
 
 from .._errors import BundleError
+from .cpu_dispatch import cpu_fused_moe
 from .reference import ACTIVATIONS, Activation, fused_moe_reference
 
 Backend = Literal["triton", "torch"]
@@ -172,6 +175,8 @@ def _fused_moe_impl(
         return fused_moe_triton(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation
         )
+    if gate_up_proj.device.type == "cpu":
+        return cpu_fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation)
     return fused_moe_reference(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
     )
@@ -235,7 +240,15 @@ def fused_moe(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, gate_up_proj, down_proj, top_k_weights)
     )
-    if needs_grad or not named:
+    if needs_grad:
+        return fused_moe_reference(
+            hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
+        )
+    if not named:  # a callable cannot go through the custom op (its schema takes a name)
+        if gate_up_proj.device.type == "cpu" and not torch.compiler.is_compiling():
+            return cpu_fused_moe(
+                hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
+            )
         return fused_moe_reference(
             hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation
         )

@@ -1,0 +1,61 @@
+"""The machine a benchmark ran on, in one place for every benchmark script: CSV columns and a plot label.
+
+    from machine import machine_fields, machine_label
+    row.update(machine_fields())    # cpu_model, cpu_flags, cpu_cores, threads, torch, transformers
+    axes.set_title(f"... \n{machine_label()}")
+
+A figure measured on one CPU says little about another (bf16 on an AMX Xeon and on an AVX2-only EPYC differ by
+2-5x), so every row carries the CPU model, the flags that decide the kernels (amx, avx512_bf16, avx2), the core
+count and torch's thread count, and the versions of torch and transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    import layerswap  # noqa: F401
+except ImportError:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from layerswap.kernels import cpu_info
+
+MACHINE_FIELDS = ("cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers")
+# The flags that decide which CPU kernels are fast, in the order they are reported.
+KEY_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+@functools.cache
+def _transformers_version() -> str:
+    try:
+        import transformers
+
+        return transformers.__version__
+    except ImportError:
+        return "-"
+
+
+def machine_fields() -> dict[str, str]:
+    """CSV columns describing this machine and software, the same for every row of a run."""
+    info = cpu_info()
+    return {
+        "cpu_model": info.model,
+        "cpu_flags": " ".join(f for f in KEY_FLAGS if f in info.flags) or "-",
+        "cpu_cores": str(info.logical_cores),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+    }
+
+
+def machine_label() -> str:
+    """One line for a plot: CPU model, key flags, cores and threads, torch and transformers versions."""
+    fields = machine_fields()
+    return (
+        f"{fields['cpu_model']} [{fields['cpu_flags']}], {fields['cpu_cores']} cores, "
+        f"{fields['threads']} threads; torch {fields['torch']}, transformers {fields['transformers']}"
+    )

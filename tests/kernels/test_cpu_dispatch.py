@@ -1,0 +1,372 @@
+"""The CPU dispatch of fused_moe: every strategy's numerics (forced, whatever this machine would pick), the
+calibration's decisions, and the on-disk cache (keyed, atomic, read-only fallback, opt-out). No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from layerswap.kernels import Plan, cpu_dispatch, fused_moe, fused_moe_reference
+from layerswap.kernels import _cpu_strategies as strategies
+from layerswap.kernels.cpu_dispatch import CpuInfo
+from layerswap.kernels.reference import resolve_activation
+
+# Against the fp32 reference: stock rounds every intermediate to the weights' dtype, so bf16 (8 mantissa bits)
+# differs by a few units in the last place of outputs of magnitude 1-5; fp16 keeps 11 bits.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+HIDDEN, INTERMEDIATE = 64, 48
+
+# Every strategy with the parameters that reach each of its branches.
+PLANS = {
+    "stock": Plan("stock"),
+    "layerswap": Plan("layerswap"),
+    "upcast": Plan("upcast"),  # default min_rows: the T below mix converted and direct experts
+    "upcast_all_converted": Plan("upcast", min_rows=1),  # one-row experts converted too
+    "upcast_none_converted": Plan("upcast", min_rows=10**6),  # every expert through torch's own GEMM
+    "upcast_small_blocks": Plan("upcast", min_rows=1, block_bytes=4096),  # many conversion blocks per weight
+}
+
+
+@pytest.fixture
+def calibrating(tmp_path, monkeypatch):
+    """Calibration on, cached under tmp_path, nothing forced, nothing remembered from other tests."""
+    monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "1")
+    monkeypatch.setenv(cpu_dispatch.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(cpu_dispatch.ENV_STRATEGY, raising=False)
+    cpu_dispatch.clear_memory_cache()
+    yield tmp_path
+    cpu_dispatch.clear_memory_cache()
+
+
+def make_problem(num_tokens, num_experts=8, top_k=2, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.2).to(dtype)
+    down = (torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=generator) * 0.2).to(dtype)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    index = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(num_tokens, top_k, generator=generator).to(dtype)
+    return x, gate_up, down, index, weights
+
+
+def expected(x, gate_up, down, index, weights, activation="silu"):
+    """fp32 reference from the same (already rounded) inputs."""
+    return fused_moe_reference(
+        x.float(), gate_up.float(), down.float(), index, weights.float(), activation=activation
+    )
+
+
+def run(plan: Plan, x, gate_up, down, index, weights, activation="silu"):
+    with torch.no_grad():
+        return strategies.STRATEGIES[plan.strategy](
+            x, gate_up, down, index, weights, resolve_activation(activation), plan
+        )
+
+
+def check(got, want, dtype):
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+# T=1: decode, one row per expert; T=5: 1-3 rows per expert (the direct side of upcast); T=40 and prime T=97:
+# 10-25 rows per expert, converted, uneven slices.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 5, 40, 97])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_each_strategy_matches_the_reference(plan: str, num_tokens: int, dtype: torch.dtype) -> None:
+    problem = make_problem(num_tokens, dtype=dtype)
+    got = run(PLANS[plan], *problem)
+    assert got.dtype == dtype and got.shape == (num_tokens, HIDDEN)
+    check(got, expected(*problem), dtype)
+
+
+# One call with experts on both sides of min_rows (9 rows; 1 row), an expert with no rows, and expert-parallel
+# sentinels (ids >= E), which must add nothing, in every strategy.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_mixed_rows_sentinels_and_idle_experts(plan: str, dtype: torch.dtype) -> None:
+    _, gate_up, down, _, _ = make_problem(1, dtype=dtype)
+    index = torch.tensor(
+        [[0, 1]] * 9 + [[2, 3], [4, 8]]
+    )  # experts 0, 1: 9 rows; 2-4: 1; 5-7: none; 8: sentinel
+    weights = torch.rand(11, 2).to(dtype)
+    x = torch.randn(11, HIDDEN).to(dtype)
+    got = run(PLANS[plan], x, gate_up, down, index, weights)
+    valid = index < 8
+    want = expected(x, gate_up, down, index.clamp(max=7), weights * valid)
+    check(got, want, dtype)
+
+
+# top_k == E (every token visits every expert) and all tokens to one expert (one large group).
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_top_k_equals_experts_and_one_busy_expert(plan: str) -> None:
+    x, gate_up, down, _, _ = make_problem(6, num_experts=5, dtype=torch.bfloat16)
+    index = torch.arange(5).repeat(6, 1)
+    weights = torch.rand(6, 5).bfloat16()
+    check(
+        run(PLANS[plan], x, gate_up, down, index, weights),
+        expected(x, gate_up, down, index, weights),
+        torch.bfloat16,
+    )
+    index = torch.zeros(30, 1, dtype=torch.long)
+    x30 = torch.randn(30, HIDDEN).bfloat16()
+    weights = torch.rand(30, 1).bfloat16()
+    check(
+        run(PLANS[plan], x30, gate_up, down, index, weights),
+        expected(x30, gate_up, down, index, weights),
+        torch.bfloat16,
+    )
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_pytorch_tanh", "relu"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_activations(plan: str, activation: str) -> None:
+    problem = make_problem(20, dtype=torch.bfloat16)
+    check(
+        run(PLANS[plan], *problem, activation=activation),
+        expected(*problem, activation=activation),
+        torch.bfloat16,
+    )
+
+
+# Autocast can hand fp32 activations to bf16 weights: computed in the weights' dtype, returned in the input's.
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_activations_in_another_dtype_than_weights(plan: str) -> None:
+    x, gate_up, down, index, weights = make_problem(12, dtype=torch.bfloat16)
+    got = run(PLANS[plan], x.float(), gate_up, down, index, weights)
+    assert got.dtype == torch.float32
+    check(got, expected(x, gate_up, down, index, weights), torch.bfloat16)
+
+
+# The forced strategy runs through the public entry point, callables included, and T=0 returns an empty [0, H].
+@pytest.mark.parametrize("name", ["stock", "layerswap", "upcast", "upcast:1"])
+def test_forced_strategy_through_fused_moe(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, name)
+    problem = make_problem(33, dtype=torch.bfloat16)
+    with torch.no_grad():
+        check(fused_moe(*problem), expected(*problem), torch.bfloat16)
+        check(fused_moe(*problem, activation=torch.nn.functional.silu), expected(*problem), torch.bfloat16)
+        empty = fused_moe(problem[0][:0], problem[1], problem[2], problem[3][:0], problem[4][:0])
+    assert empty.shape == (0, HIDDEN)
+    assert cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3]).source == "forced"
+
+
+def test_an_unknown_forced_strategy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, "magic")
+    problem = make_problem(3)
+    with pytest.raises(ValueError, match=r"LAYERSWAP_CPU_STRATEGY='magic'.*expected one of"):
+        cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+
+
+# The capability rules used without calibration: layerswap's own path where oneDNN has the dtype in hardware
+# (and for fp32), weights converted to fp32 on an AVX2-only CPU.
+def test_rules_follow_the_cpu() -> None:
+    avx2 = CpuInfo("AMD EPYC", ("avx2", "fma"), "AVX2", 2)
+    amx = CpuInfo("Intel Xeon", ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "AVX512", 2)
+    assert cpu_dispatch.rule_plan(torch.bfloat16, avx2).strategy == "upcast"
+    assert cpu_dispatch.rule_plan(torch.float16, avx2).strategy == "upcast"
+    assert cpu_dispatch.rule_plan(torch.float32, avx2).strategy == "layerswap"
+    assert cpu_dispatch.rule_plan(torch.bfloat16, amx).strategy == "layerswap"
+    assert "avx512_bf16" in amx.summary() and "2 cores" in avx2.summary()
+
+
+def test_cpu_info_reads_this_machine() -> None:
+    info = cpu_dispatch.cpu_info()
+    assert info.model and info.logical_cores >= 1
+    assert set(info.flags) <= set(cpu_dispatch._FLAGS_THAT_MATTER)
+    assert info.capability == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.parametrize(
+    "num_tokens, bucket", [(1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (512, 512), (10**6, 8192)]
+)
+def test_token_buckets(num_tokens: int, bucket: int) -> None:
+    assert cpu_dispatch.token_bucket(num_tokens) == bucket
+
+
+# --- calibration ---------------------------------------------------------------------------------------------
+
+
+def _slow(seconds: float, inner):
+    def strategy(*args):
+        time.sleep(seconds)
+        return inner(*args)
+
+    return strategy
+
+
+# The calibration picks what is measurably faster, and stock unless something beats it by the margin.
+@pytest.mark.parametrize("slow, chosen", [("layerswap", "stock"), ("stock", "layerswap")])
+def test_calibration_picks_the_faster_strategy(calibrating, monkeypatch, slow: str, chosen: str) -> None:
+    fake = dict(strategies.STRATEGIES)
+    fake[slow] = _slow(0.004, fake[slow])
+    monkeypatch.setattr(cpu_dispatch, "STRATEGIES", fake)
+    problem = make_problem(16)
+    plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+    assert (plan.strategy, plan.source) == (chosen, "calibrated")
+
+
+# A real calibration, end to end: the first no-grad call measures and caches, later calls only look up; bf16
+# also measures upcast's crossover (one entry per shape), and every entry lands in the file.
+def test_calibration_runs_once_per_bucket_and_is_cached(calibrating, monkeypatch) -> None:
+    calls = []
+    real = cpu_dispatch._calibrate_bucket
+    monkeypatch.setattr(cpu_dispatch, "_calibrate_bucket", lambda *a: calls.append(a[4]) or real(*a))
+    problem = make_problem(40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):
+            check(fused_moe(*problem), expected(*problem), torch.bfloat16)
+        fused_moe(*make_problem(1, dtype=torch.bfloat16))
+    assert calls == [64, 1]
+    plans = json.loads(cpu_dispatch.cache_path().read_text())["plans"]
+    prefix = f"bfloat16|E8|K2|H{HIDDEN}|I{INTERMEDIATE}|threads{torch.get_num_threads()}"
+    assert set(plans) == {f"{prefix}|T64", f"{prefix}|T1", f"{prefix}|crossover"}
+    assert {"stock", "layerswap"} <= set(plans[f"{prefix}|T64"]["median_ms"])
+
+    cpu_dispatch.clear_memory_cache()  # a new process: the file answers, nothing is measured
+    monkeypatch.setattr(cpu_dispatch, "_calibrate_bucket", lambda *a: pytest.fail("measured again"))
+    plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+    assert plan.source == "cached" and plan.strategy == plans[f"{prefix}|T64"]["strategy"]
+
+
+def test_no_calibration_when_opted_out(calibrating, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "0")
+    monkeypatch.setattr(
+        cpu_dispatch, "_calibrate_bucket", lambda *a: pytest.fail("calibrated although opted out")
+    )
+    problem = make_problem(40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        check(fused_moe(*problem), expected(*problem), torch.bfloat16)
+    plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+    assert plan == cpu_dispatch.rule_plan(torch.bfloat16) and plan.source == "rule"
+    assert not any(calibrating.iterdir())
+
+
+# Never while torch.compile traces, never on meta tensors: the rule stands in (and is not remembered, so the
+# next eager call still calibrates).
+def test_no_calibration_while_compiling_or_on_meta(calibrating, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_dispatch, "_calibrate_bucket", lambda *a: pytest.fail("calibrated"))
+    problem = make_problem(8)
+    meta = [t.to("meta") for t in problem]
+    assert cpu_dispatch.plan_for(meta[0], meta[1], meta[2], meta[3]).source == "rule"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3]).source == "rule"
+    assert not any(calibrating.iterdir())
+
+
+# --- the cache ------------------------------------------------------------------------------------------------
+
+
+def test_cache_file_is_keyed_by_machine(calibrating, monkeypatch) -> None:
+    here = cpu_dispatch.cache_path()
+    assert here.parent == calibrating and here.name.startswith("cpu-dispatch-")
+    cpu_dispatch._machine_digest.cache_clear()
+    monkeypatch.setattr(
+        cpu_dispatch, "cpu_info", lambda: CpuInfo("Other CPU", ("avx2", "amx_bf16"), "AVX512", 64)
+    )
+    try:
+        assert cpu_dispatch.cache_path() != here
+        assert json.dumps(cpu_dispatch.machine_key())
+        assert cpu_dispatch.machine_key()["cpu"] == "Other CPU"
+        assert cpu_dispatch.machine_key()["torch"] == torch.__version__
+    finally:
+        cpu_dispatch._machine_digest.cache_clear()
+
+
+def test_cache_default_location(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(cpu_dispatch.ENV_CACHE_DIR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_dispatch.cache_dir() == tmp_path / "layerswap"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cpu_dispatch.cache_dir() == tmp_path / ".cache" / "layerswap"
+
+
+# Two processes (here, two cache objects on one file) writing different entries: both survive, the file is
+# always whole JSON, and no temporary file is left behind.
+def test_concurrent_writers_merge_and_leave_no_temp_files(calibrating) -> None:
+    path = calibrating / "cpu-dispatch-test.json"
+    writers = [cpu_dispatch.PlanCache(path) for _ in range(4)]
+    errors = []
+
+    def write(index: int) -> None:
+        try:
+            for step in range(10):
+                writers[index].put(f"w{index}|{step}", Plan("stock"), {"stock": 1.0})
+                json.loads(path.read_text())  # never a half-written file
+        except Exception as error:  # reported below, with the thread's name
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    # A read-merge-write racing another can drop that one's newest entry (measured again by a later process);
+    # what is there is whole and was written by someone.
+    plans = json.loads(path.read_text())["plans"]
+    assert plans and set(plans) <= {f"w{i}|{step}" for i in range(4) for step in range(10)}
+    assert sorted(p.name for p in calibrating.iterdir()) == [path.name]
+
+
+# Writers that do not overlap merge: each keeps what the other wrote.
+def test_sequential_writers_merge(calibrating) -> None:
+    path = calibrating / "cpu-dispatch-test.json"
+    first, second = cpu_dispatch.PlanCache(path), cpu_dispatch.PlanCache(path)
+    first.put("a", Plan("stock"))
+    second.put("b", Plan("upcast", min_rows=3))
+    fresh = cpu_dispatch.PlanCache(path)
+    assert fresh.get("a") == Plan("stock") and fresh.get("b") == Plan("upcast", min_rows=3)
+    assert fresh.get("b").source == "cached"
+
+
+# A write that fails half-way keeps the previous file and removes its temporary file.
+def test_failed_write_keeps_the_old_file(calibrating, monkeypatch) -> None:
+    path = calibrating / "cpu-dispatch-test.json"
+    cache = cpu_dispatch.PlanCache(path)
+    cache.put("first", Plan("stock"))
+    before = path.read_text()
+
+    def broken_dump(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cpu_dispatch.json, "dump", broken_dump)
+    cache.put("second", Plan("layerswap"))
+    assert path.read_text() == before
+    assert sorted(p.name for p in calibrating.iterdir()) == [path.name]
+    assert cache.get("second") == Plan("layerswap")  # still known to this process
+    assert not cache.writable
+
+
+# A home that cannot be written (here: the cache dir would sit under a regular file, which fails for root too):
+# decisions stay in memory, nothing raises.
+def test_unwritable_cache_dir_keeps_decisions_in_memory(calibrating, monkeypatch) -> None:
+    blocker = calibrating / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(cpu_dispatch.ENV_CACHE_DIR, str(blocker / "layerswap"))
+    cpu_dispatch.clear_memory_cache()
+    problem = make_problem(16)
+    with torch.no_grad():
+        check(fused_moe(*problem), expected(*problem), torch.float32)
+    plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+    assert plan.source == "calibrated"
+    assert not cpu_dispatch._cache().writable
+
+
+def test_damaged_or_foreign_cache_files_are_ignored(calibrating) -> None:
+    path = calibrating / "cpu-dispatch-test.json"
+    path.write_text("{not json")
+    assert cpu_dispatch.PlanCache(path).get("x") is None
+    path.write_text(json.dumps({"format": 999, "plans": {"x": {"strategy": "stock"}}}))
+    assert cpu_dispatch.PlanCache(path).get("x") is None
+    path.write_text(
+        json.dumps({"format": 1, "plans": {"x": {"strategy": "gone", "min_rows": 1, "block_bytes": 8192}}})
+    )
+    assert cpu_dispatch.PlanCache(path).get("x") is None
+    os.remove(path)

@@ -10,6 +10,7 @@ import transformers.models
 from transformers.integrations.moe import use_experts_implementation  # noqa: F401  (the decorator we look for)
 
 from layerswap.catalog import CATALOG, FAMILIES
+from transformers_support import row_missing
 
 # Group-A classes (plain @use_experts_implementation) not in the table, each with the reason.
 NOT_IN_TABLE = {
@@ -55,6 +56,9 @@ def _group_a_classes():
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.model_type)
 def test_every_row_names_classes_the_installed_transformers_has(family):
+    newer = row_missing(family)  # None on the newest release CI tests: there a missing class fails
+    if newer is not None:
+        pytest.skip(newer)
     module = importlib.import_module(family.modeling_module)
     for name in (family.experts, family.router, family.attention):
         if name is not None:

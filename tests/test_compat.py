@@ -114,6 +114,21 @@ def test_an_internal_only_some_bundles_need_refuses_just_those_at_enable(monkeyp
         pass
 
 
+@pytest.mark.parametrize(
+    "name",
+    [b.name for b in layerswap.list_bundles() if _compat.bundle_requirement(b) is not None]
+    or [
+        pytest.param(None, marks=pytest.mark.skip(reason="the installed transformers supports every bundle"))
+    ],
+)
+def test_each_bundle_the_installed_transformers_is_too_old_for_refuses_at_enable(name):
+    requirement = _compat.bundle_requirement(layerswap.get_bundle(name))
+    with pytest.raises(
+        UnsupportedTransformersError, match=f"Bundle {name!r} needs {re.escape(requirement)}: "
+    ):
+        layerswap.enable_bundle(name)
+
+
 def test_layerswap_list_marks_the_bundles_the_installed_transformers_is_too_old_for(monkeypatch, capsys):
     monkeypatch.setattr(
         _compat, "INTERNALS", (*_compat.INTERNALS, _fake(needed_for="fused_qkv", since="5.98"))

@@ -166,7 +166,12 @@ INTERNALS: tuple[Internal, ...] = (
     ),
 )
 # Not checked here, read with the stock default when absent: the layout flags `use_experts_implementation` sets on
-# Experts modules: is_concatenated (5.7), _is_expert_parallel (5.18), has_post_expert_norm (5.20).
+# Experts modules, with the release each appeared in.
+LAYOUT_FLAGS = {"is_concatenated": "5.7", "_is_expert_parallel": "5.18", "has_post_expert_norm": "5.20"}
+# Stock routers that returned (indices, weights, logits) before the release given, where every other router (and
+# every replayable router layerswap builds) returns (logits, scores, indices): their '-replay' bundles need it. The
+# order shows only in what forward returns, so this is the one check by version.
+ROUTER_ORDER_SINCE = {"GraniteMoeTopKRouter": "5.21", "GraniteMoeSharedTopKRouter": "5.21"}
 
 _ABSENT = object()
 
@@ -244,8 +249,8 @@ def swap_kinds(bundle: Bundle) -> tuple[str, ...]:
 
 def bundle_requirement(bundle: Bundle) -> str | None:
     """ "transformers >= X" when the installed transformers is too old for `bundle`, else None."""
-    versions = [v for v in map(needed_version, swap_kinds(bundle)) if v is not None]
-    return f"transformers >= {max(versions, key=Version)}" if versions else None
+    shortfalls = _shortfalls(bundle)
+    return f"transformers >= {max((v for v, _ in shortfalls), key=Version)}" if shortfalls else None
 
 
 def unsupported_reason(kind: str) -> str | None:
@@ -259,16 +264,36 @@ def unsupported_reason(kind: str) -> str | None:
     )
 
 
+def _shortfalls(bundle: Bundle) -> list[tuple[str, str]]:
+    """(the release needed, why) for each thing the installed transformers is too old for in `bundle`."""
+    shortfalls = [
+        (needed_version(k), r) for k in swap_kinds(bundle) if (r := unsupported_reason(k)) is not None
+    ]
+    for patch in bundle.patches:
+        since = ROUTER_ORDER_SINCE.get(patch.class_name)
+        if since is not None and Version(TRANSFORMERS_VERSION) < Version(since):
+            shortfalls.append(
+                (
+                    since,
+                    f"{patch.class_name} in transformers {TRANSFORMERS_VERSION} returns (indices, weights, logits), "
+                    f"and its MoE block unpacks it so; a replayable router returns (logits, scores, indices), "
+                    f"as stock does from transformers {since} on",
+                )
+            )
+    return shortfalls
+
+
 def refuse_unsupported(bundle: Bundle) -> None:
-    """Raise UnsupportedTransformersError when the installed transformers lacks an internal `bundle` needs."""
+    """Raise UnsupportedTransformersError when the installed transformers is too old for `bundle`."""
     from ._errors import UnsupportedTransformersError
 
-    reasons = [r for r in map(unsupported_reason, swap_kinds(bundle)) if r is not None]
-    if reasons:
-        requirement = bundle_requirement(bundle)
+    shortfalls = _shortfalls(bundle)
+    if shortfalls:
+        needed = max((v for v, _ in shortfalls), key=Version)
         raise UnsupportedTransformersError(
-            f"Bundle {bundle.name!r} needs {requirement}: " + " ".join(reasons) + ". Upgrade with "
-            f"`pip install 'transformers>={requirement.split()[-1]},{SUPPORTED.split(',')[1]}'`, or use another "
+            f"Bundle {bundle.name!r} needs transformers >= {needed}: "
+            + "; ".join(reason for _, reason in shortfalls)
+            + f". Upgrade with `pip install 'transformers>={needed},{SUPPORTED.split(',')[1]}'`, or use another "
             "bundle for this family (`layerswap list` marks the ones this transformers supports)."
         )
 

@@ -650,13 +650,27 @@ def _selected_experts_recorder(family: Family) -> Installer:
             if not isinstance(cls, type) or cls.__module__ != module.__name__:
                 continue
             recorders = cls.__dict__.get("_can_record_outputs")
-            if isinstance(recorders, dict) and "router_logits" in recorders:
+            if isinstance(recorders, dict) and _records_the_router(
+                recorders.get("router_logits"), family.router
+            ):
                 replacement = {
                     **recorders,
                     SELECTED_EXPERTS: _index_2_recorder(recorders["router_logits"], cls),
                 }
                 cls._can_record_outputs = replacement
                 edited.append((cls, recorders, replacement))
+        router = getattr(module, family.router or "", None)
+        if not edited and isinstance(router, type):
+            # Releases whose model records no 'router_logits' off its router yet (deepseek_v3, glm4_moe, ... before
+            # 5.19; exaone_moe's came off its MoE block; granitemoe's before 5.18): record output 2 of the router
+            # class itself, beside what the model records.
+            for cls in list(vars(module).values()):
+                recorders = cls.__dict__.get("_can_record_outputs") if isinstance(cls, type) else None
+                if isinstance(recorders, dict) and cls.__module__ == module.__name__:
+                    recorder = OutputRecorder(getattr(router, "_layerswap_original", router), index=2)
+                    replacement = {**recorders, SELECTED_EXPERTS: recorder}
+                    cls._can_record_outputs = replacement
+                    edited.append((cls, recorders, replacement))
         if not edited:
             raise UnsupportedTransformersError(
                 f"{family.modeling_module} in transformers {TRANSFORMERS_VERSION} has no class recording "
@@ -675,6 +689,12 @@ def _selected_experts_recorder(family: Family) -> Installer:
         return restore
 
     return install
+
+
+def _records_the_router(recorder: Any, router_name: str | None) -> bool:
+    target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
+    target = getattr(target, "_layerswap_original", target)
+    return isinstance(target, type) and target.__name__ == router_name
 
 
 def _index_2_recorder(router_logits: Any, owner: type) -> OutputRecorder:

@@ -12,6 +12,7 @@ from families import MOE_FAMILIES
 from layerswap._errors import MissingExpertWeightsError
 from layerswap.adapters.experts import LinearExperts
 from tiny_models import tiny_input_ids, tiny_model
+from transformers_support import needs_bundle
 
 
 def _router_outputs(model, family, input_ids):
@@ -115,7 +116,9 @@ def test_from_config_model_saves_stock_layout(model_type, tmp_path):
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-@pytest.mark.parametrize("bundle", ["llama-fused_qkv", "mixtral-quant"])
+@pytest.mark.parametrize(
+    "bundle", [pytest.param("llama-fused_qkv", marks=needs_bundle("llama-fused_qkv")), "mixtral-quant"]
+)
 def test_a_model_built_under_a_bundle_saves_stock_layout_after_the_bundle_is_disabled(bundle, tmp_path):
     model_type = bundle.split("-")[0]
     with layerswap.use_bundle(bundle):

@@ -8,6 +8,7 @@ import layerswap
 from families import MOE_FAMILIES
 from numerics import assert_computed_close
 from tiny_models import tiny_input_ids, tiny_model
+from transformers_support import needs_bundle
 
 QUANTIZATION = {
     "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
@@ -88,7 +89,11 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
 
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
 @pytest.mark.parametrize(
-    ("model_type", "bundle"), [("llama", "llama-fused_qkv"), ("qwen2_moe", "qwen2_moe-fast")]
+    ("model_type", "bundle"),
+    [
+        pytest.param("llama", "llama-fused_qkv", marks=needs_bundle("llama-fused_qkv")),
+        pytest.param("qwen2_moe", "qwen2_moe-fast", marks=needs_bundle("qwen2_moe-fast")),
+    ],
 )
 def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(
     model_type, bundle, scheme, tmp_path

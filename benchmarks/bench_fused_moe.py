@@ -23,6 +23,7 @@ torch, transformers.
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import importlib
 import os
@@ -88,9 +89,15 @@ class ExpertsShape:
         return num_tokens * self.top_k * 3 * 2 * self.hidden * self.intermediate
 
 
+SMALL = ExpertsShape("small", "qwen2_moe", num_experts=16, top_k=4, hidden=256, intermediate=128)
+
+
 def load_shapes(names: Sequence[str]) -> list[ExpertsShape]:
     shapes = []
     for name in names:
+        if name == "small":  # not a model: the smoke-test size (tests run the script with it)
+            shapes.append(SMALL)
+            continue
         config = model_shape(SHAPES[name])
         shapes.append(
             ExpertsShape(
@@ -149,8 +156,12 @@ def build_quant_experts(shape: ExpertsShape, experts: nn.Module) -> nn.Module:
     original = type(experts)
     patch = next(p for p in bundle.patches if p.class_name == original.__name__)
     quant_class = patch.adapter(original, bundle.make_options({}))
+    config = copy.deepcopy(
+        experts.config
+    )  # its own: the stock providers switch experts_implementation on theirs
+    config._experts_implementation = "eager"
     with torch.device("meta"):
-        quant = quant_class(experts.config)
+        quant = quant_class(config)
     intermediate = shape.intermediate
     for index, expert in enumerate(quant):
         names = expert.names
@@ -510,7 +521,13 @@ def print_table(rows: Sequence[dict[str, object]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(SHAPES),
+        choices=[*SHAPES, "small"],
+        help="model shapes (default: all); 'small' is a 16-expert toy for smoke tests",
+    )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 512])
     parser.add_argument(
@@ -580,11 +597,10 @@ except ImportError:  # the script itself needs no pytest
     pytest = None
 
 if pytest is not None:
-    _SMALL = ExpertsShape("small", "qwen2_moe", num_experts=16, top_k=4, hidden=256, intermediate=128)
 
     @pytest.fixture(scope="module")
     def bench_shape() -> ExpertsShape:
-        return load_shapes(["qwen1.5-moe-a2.7b"])[0] if os.environ.get("LAYERSWAP_BENCH_FULL") else _SMALL
+        return load_shapes(["qwen1.5-moe-a2.7b"])[0] if os.environ.get("LAYERSWAP_BENCH_FULL") else SMALL
 
     @pytest.mark.parametrize("num_tokens", [1, 64])
     @pytest.mark.parametrize("provider", ["eager", "grouped_mm", "layerswap"])

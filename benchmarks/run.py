@@ -10,8 +10,11 @@ Suites (each reuses the sweep of its own module, which can also run alone):
              q/k/v projection alone and the whole module, and the projection's roofline (bench_attention.py)
   memory     weight footprint of every model in model_shapes.json, bf16 / nf4 / int8, stock vs -quant (memory.py)
   load       from_pretrained wall time and peak RSS, stock vs qwen2_moe-quant, fresh process per load (load.py)
+  model      whole-model prefill and decode tokens/s and memory of a 2-layer Qwen1.5-MoE-A2.7B-shaped model:
+             stock bf16 vs -quant (bf16, bitsandbytes nf4 / int8, torchao int8) and -fast   (bench_model.py)
 
-Writes OUT/results.csv (kernel, provider, shape, dtype, tokens, metric, median, p20, p80, device, versions) and
+Writes OUT/results.csv (kernel, provider, shape, dtype, tokens, metric, median, p20, p80, device, versions, and
+the machine: cpu_model, cpu_flags, cpu_cores, threads, torch, transformers) and
 OUT/<kernel>_<shape>_<dtype>.png (latency vs tokens, one line per provider, p20-p80 band), then prints the
 ratios. Ratios are the figures to read: providers take turns within each run, so a busy machine slows all alike.
 In the CSV, the attention suite's "fused" provider is called "layerswap" and its per-round fused/stock ratio is
@@ -39,7 +42,9 @@ except ImportError:  # a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-SUITES = ("moe", "attention", "memory", "load")
+from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
+
+SUITES = ("moe", "attention", "memory", "load", "model")
 CSV_FIELDS = (
     "kernel",
     "provider",
@@ -52,6 +57,7 @@ CSV_FIELDS = (
     "p80",
     "device",
     "versions",
+    *MACHINE_FIELDS,
 )
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -205,11 +211,37 @@ def run_load(device: torch.device, quick: bool) -> list[dict]:
     ]
 
 
+def run_model(device: torch.device, quick: bool) -> list[dict]:
+    import bench_model
+
+    if device.type != "cpu":
+        print("# suite model: CPU only for now; skipped", file=sys.stderr)
+        return []
+    rows = bench_model.sweep(bench_model.Settings.quick() if quick else bench_model.Settings())
+    bench_model.print_table(rows)
+    return [
+        _row(
+            r["kernel"],
+            r["provider"],
+            r["shape"],
+            r["dtype"],
+            r["tokens"],
+            r["metric"],
+            r["median"],
+            r["p20"],
+            r["p80"],
+            r["device"],
+        )
+        for r in rows
+    ]
+
+
 SUITE_RUNNERS: dict[str, Callable[[torch.device, bool], list[dict]]] = {
     "moe": run_moe,
     "attention": run_attention,
     "memory": run_memory,
     "load": run_load,
+    "model": run_model,
 }
 
 
@@ -225,12 +257,18 @@ def _progress(iterable, **kwargs):
 
 
 def write_csv(rows: Sequence[dict], path: Path, versions_text: str) -> None:
+    machine = machine_fields()
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()
         for r in rows:
             writer.writerow(
-                {**r, **{k: f"{r[k]:.6g}" for k in ("median", "p20", "p80")}, "versions": versions_text}
+                {
+                    **r,
+                    **{k: f"{r[k]:.6g}" for k in ("median", "p20", "p80")},
+                    "versions": versions_text,
+                    **machine,
+                }
             )
 
 
@@ -275,7 +313,7 @@ def plot(rows: Sequence[dict], out: Path) -> list[Path]:
         device = next(
             r["device"] for r in rows if (r["kernel"], r["shape"], r["dtype"]) == (kernel, shape, dtype)
         )
-        axes.set_title(f"{kernel}: {shape}, {dtype}\n{device}", fontsize=9)
+        axes.set_title(f"{kernel}: {shape}, {dtype}\n{device}; {machine_label()}", fontsize=7)
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=8)
         figure.tight_layout()
@@ -306,7 +344,8 @@ def _plot_memory(rows: Sequence[dict], out: Path, plt) -> Path:
     )
     axes.set_ylabel("weight footprint (GiB)")
     axes.set_title(
-        "bitsandbytes weight footprint, stock vs <model_type>-quant (exact, meta device)", fontsize=9
+        "bitsandbytes weight footprint, stock vs <model_type>-quant (exact, meta device)\n" + machine_label(),
+        fontsize=8,
     )
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -377,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# {versions_text}; device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} "
         f"({torch.get_num_threads()} threads); suites {', '.join(suites)}{'; quick' if args.quick else ''}"
     )
+    print(f"# {machine_label()}")
     rows: list[dict] = []
     for suite in suites:
         print(f"# suite {suite}", file=sys.stderr)

@@ -38,6 +38,7 @@ def calibrating(tmp_path, monkeypatch):
     monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "1")
     monkeypatch.setenv(cpu_dispatch.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.delenv(cpu_dispatch.ENV_STRATEGY, raising=False)
+    monkeypatch.setattr(cpu_dispatch, "_machine_busy", lambda: False)  # other tests running alongside
     cpu_dispatch.clear_memory_cache()
     yield tmp_path
     cpu_dispatch.clear_memory_cache()
@@ -232,6 +233,16 @@ def test_calibration_runs_once_per_bucket_and_is_cached(calibrating, monkeypatch
     monkeypatch.setattr(cpu_dispatch, "_calibrate_bucket", lambda *a: pytest.fail("measured again"))
     plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
     assert plan.source == "cached" and plan.strategy == plans[f"{prefix}|T64"]["strategy"]
+
+
+# Measured while other work competes for the cores: used by this process, not written for the next ones.
+def test_a_calibration_on_a_busy_machine_is_not_written(calibrating, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_dispatch, "_machine_busy", lambda: True)
+    problem = make_problem(16)
+    with torch.no_grad():
+        check(fused_moe(*problem), expected(*problem), torch.float32)
+    assert cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3]).source == "calibrated"
+    assert not any(calibrating.iterdir())
 
 
 def test_no_calibration_when_opted_out(calibrating, monkeypatch) -> None:

@@ -17,7 +17,9 @@ Environment variables:
 - LAYERSWAP_CPU_STRATEGY=stock|layerswap|upcast[:min_rows]: force one strategy (tests, benchmarks, bug reports).
 - LAYERSWAP_CACHE_DIR: the cache directory (default $XDG_CACHE_HOME/layerswap, else ~/.cache/layerswap).
   Writes are atomic (a temporary file, then os.replace), merged with what other processes wrote meanwhile;
-  where the directory cannot be written, decisions stay in memory for the process.
+  where the directory cannot be written, decisions stay in memory for the process. A decision measured
+  while the machine was busy (load average above 1.5 per core) also stays in memory only. Delete the
+  directory to measure again.
 
 Calibration never runs while torch.compile traces, on the meta device, on tensor subclasses, or on
 non-CPU tensors: those get the cached decision if there is one, else the capability rule.
@@ -253,9 +255,13 @@ class PlanCache:
                     self.plans.setdefault(name, plan)
         return self.plans.get(key)
 
-    def put(self, key: str, plan: Plan, timings_ms: dict[str, float] | None = None) -> None:
+    def put(
+        self, key: str, plan: Plan, timings_ms: dict[str, float] | None = None, persist: bool = True
+    ) -> None:
+        """Remember `plan` for `key`; also on disk unless `persist` is False (a measurement taken while the
+        machine was busy holds for this process only, and the next process measures again)."""
         self.plans[key] = plan
-        if self.writable:
+        if self.writable and persist:
             try:
                 self._write(key, _plan_to_json(plan, timings_ms))
             except OSError as error:  # read-only home, full disk: keep the decision for this process only
@@ -334,6 +340,16 @@ def forced_plan() -> Plan | None:
 
 def calibration_enabled() -> bool:
     return os.environ.get(ENV_CALIBRATION, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _machine_busy() -> bool:
+    """Whether other work competes for the cores (1-minute load average above 1.5 per core, this process's own
+    threads included): calibrating then mostly measures the contention, which on a 2-4 core machine punishes
+    every extra parallel op, so such a decision is not written to disk."""
+    try:
+        return os.getloadavg()[0] > 1.5 * cpu_info().logical_cores
+    except OSError:  # not available on this platform
+        return False
 
 
 def _can_measure(*tensors: torch.Tensor) -> bool:
@@ -597,12 +613,12 @@ def _plan_for(
             crossover = cache.get(crossover_key)
             if crossover is None:
                 crossover, crossover_ms = _crossover_plan(gate_up_proj, down_proj, act)
-                cache.put(crossover_key, crossover, crossover_ms)
+                cache.put(crossover_key, crossover, crossover_ms, persist=not _machine_busy())
             if crossover.min_rows < _NEVER:
                 candidates.append(crossover)
         plan, medians = _calibrate_bucket(gate_up_proj, down_proj, act, top_k, bucket, candidates)
         logger.debug("layerswap: CPU plan for %s: %s (median ms %s)", key, plan.describe(), medians)
-        cache.put(key, plan, medians)
+        cache.put(key, plan, medians, persist=not _machine_busy())
         return plan
 
 

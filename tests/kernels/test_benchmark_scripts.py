@@ -1,0 +1,80 @@
+"""The MoE benchmark scripts run as a user runs them (scripts of the checkout, in a subprocess), at their
+smallest sizes: every provider reports, and every CSV row names the machine."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+MACHINE_COLUMNS = {"cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers"}
+
+
+def run_script(script: str, *args: str) -> None:
+    environment = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_fused_moe_benchmark_covers_quant_and_forced_strategies(tmp_path: Path) -> None:
+    out = tmp_path / "moe.csv"
+    providers = ["grouped_mm", "layerswap", "quant", "ls-stock", "ls-layerswap", "ls-upcast"]
+    run_script(
+        "bench_fused_moe.py",
+        *("--shapes", "small", "--dtypes", "bfloat16", "--tokens", "1", "16"),
+        *("--reps", "1", "--budget", "0", "--flush-mib", "0", "--out", str(out)),
+        *("--providers", *providers),
+    )
+    rows = read_rows(out)
+    assert all(set(row) >= MACHINE_COLUMNS and row["cpu_model"] for row in rows)
+    ratios = {(r["provider"], r["T"]) for r in rows if r["metric"] == "ratio_vs_best_stock"}
+    assert ratios == {(p, t) for p in providers for t in ("1", "16")}
+    plans = {r["provider"]: r["plan"] for r in rows if r["metric"] == "latency_ms"}
+    assert plans["layerswap"] != "-" and plans["quant"] == "-"
+
+
+def test_model_benchmark_reports_speed_and_memory_for_every_provider(tmp_path: Path) -> None:
+    out = tmp_path / "model.csv"
+    run_script(
+        "bench_model.py",
+        "--tiny",
+        "--quick",
+        "--prompt",
+        "4",
+        "--decode",
+        "2",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+    )
+    rows = read_rows(out)
+    assert all(set(row) >= MACHINE_COLUMNS for row in rows)
+    by_provider: dict[str, dict[str, float]] = {}
+    for row in rows:
+        by_provider.setdefault(row["provider"], {})[row["metric"]] = float(row["median"])
+    # Every quantizer is installed in the test environment, so no provider may be skipped.
+    assert set(by_provider) == {"stock", "quant", "quant+nf4", "quant+int8", "quant+torchao-int8", "fast"}
+    for metrics in by_provider.values():
+        assert metrics["prefill_tokens_per_s"] > 0 and metrics["decode_tokens_per_s"] > 0
+        assert metrics["footprint_mib"] > 0
+    assert by_provider["stock"]["decode_speedup_vs_stock"] == 1.0
+    assert by_provider["stock"]["footprint_vs_stock"] == 1.0
+    # nf4 stores the experts in 4 bits: smaller than stock's bf16 even on the tiny model.
+    assert by_provider["quant+nf4"]["footprint_mib"] < by_provider["stock"]["footprint_mib"]
+    assert not math.isnan(by_provider["quant"]["footprint_vs_stock"])

@@ -1,4 +1,7 @@
-"""`layerswap list | inspect | demo | bench`."""
+"""`layerswap list | inspect | demo`.
+
+Benchmarks are scripts of a source checkout, not part of the installed package: `python benchmarks/run.py`.
+"""
 
 from __future__ import annotations
 
@@ -66,21 +69,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(model_type=args.model_type)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "run.py"
-    if not script.exists():
-        print(
-            "benchmarks/run.py is not in this installation; run it from a source checkout.", file=sys.stderr
-        )
-        return 2
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="layerswap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,14 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="tiny end-to-end demo: stock vs -quant under bitsandbytes 4-bit")
     demo.add_argument("--model-type", default="qwen2_moe")
     demo.set_defaults(run=_cmd_demo)
-    bench = commands.add_parser("bench", help="run benchmarks/run.py (latency and memory, CSV + PNG)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(run=_cmd_bench)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # argparse.REMAINDER does not take an option (`--suite`) as its first word: hand the rest over whole.
-        return _cmd_bench(argparse.Namespace(rest=argv[1:]))
-    args = parser.parse_args(argv)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         return args.run(args)
     except Exception as error:

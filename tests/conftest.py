@@ -4,7 +4,9 @@ import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("LAYERSWAP_CPU_CALIBRATION", "0")  # no timing runs, no ~/.cache writes (tests/kernels opts in)
+os.environ.setdefault(
+    "LAYERSWAP_CPU_CALIBRATION", "0"
+)  # no timing runs, no ~/.cache writes (tests/kernels opts in)
 
 from transformers.utils import logging
 

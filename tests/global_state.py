@@ -52,6 +52,15 @@ def _output_recorders() -> dict[str, Any]:
     return picture
 
 
+def _model_conversion_bindings() -> dict[str, Any]:
+    return {
+        name: vars(module)["get_model_conversion_mapping"]
+        for name, module in list(sys.modules.items())
+        if name.startswith("transformers")
+        and "get_model_conversion_mapping" in getattr(module, "__dict__", {})
+    }
+
+
 def global_state() -> dict[str, Any]:
     conversion_mapping.get_checkpoint_conversion_mapping("llama")
     cache = conversion_mapping._checkpoint_conversion_mapping_cache
@@ -68,6 +77,10 @@ def global_state() -> dict[str, Any]:
         "experts_functions": dict(ALL_EXPERTS_FUNCTIONS._global_mapping),
         "experts_functions_local": dict(ALL_EXPERTS_FUNCTIONS._local_mapping),
         "resolve_parallel_plans": DistributedMixin.__dict__.get("_resolve_parallel_plans"),
+        "checkpoint_conversions": conversion_mapping.get_checkpoint_conversion_mapping,
+        "set_experts_implementation": PreTrainedModel.__dict__.get("set_experts_implementation"),
+        "post_init": PreTrainedModel.__dict__["post_init"],
+        "model_conversions": _model_conversion_bindings(),
     }
 
 
@@ -77,6 +90,9 @@ def comparable(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     after = dict(after)
     after["output_recorders"] = {
         k: v for k, v in after["output_recorders"].items() if k in before["output_recorders"]
+    }
+    after["model_conversions"] = {
+        k: v for k, v in after["model_conversions"].items() if k in before["model_conversions"]
     }
     return after
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 from . import _compat  # noqa: F401  (checks the installed transformers first)
 from ._bundle import Bundle, BundleOptions
 from ._errors import (
+    AdapterLayoutError,
     BundleConflictError,
     BundleError,
+    CheckpointShapeError,
+    ExpertsImplementationError,
     FusedQKVParallelismError,
     IncompatibleQuantizerError,
     LayerswapWarning,
@@ -21,6 +24,7 @@ from ._errors import (
     WeightConversionError,
 )
 from ._registry import (
+    apply_bundles,
     disable_bundle,
     enable_bundle,
     enabled_bundles,
@@ -30,16 +34,20 @@ from ._registry import (
 )
 from .adapters.fused_experts import register_experts_backend, unregister_experts_backend
 from .calibration import calibrate_all_experts
+from .peft_adapters import check_adapter
 from .report import Report, report
 from .routing import RecordedRouting, record_routing, replay_routing, routing_from_vllm
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterLayoutError",
     "Bundle",
     "BundleConflictError",
     "BundleError",
     "BundleOptions",
+    "CheckpointShapeError",
+    "ExpertsImplementationError",
     "FusedQKVParallelismError",
     "IncompatibleQuantizerError",
     "LayerswapWarning",
@@ -51,7 +59,9 @@ __all__ = [
     "UnsupportedTransformersError",
     "WeightConversionError",
     "__version__",
+    "apply_bundles",
     "calibrate_all_experts",
+    "check_adapter",
     "disable_bundle",
     "enable_bundle",
     "enabled_bundles",

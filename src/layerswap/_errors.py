@@ -32,8 +32,23 @@ class WeightConversionError(BundleError, RuntimeError):
     transformers raises RuntimeError for the same load; this is one too)."""
 
 
+class CheckpointShapeError(BundleError, RuntimeError):
+    """A checkpoint tensor of a module layerswap swapped in has another shape than the module (a checkpoint of
+    another config). Stock transformers raises RuntimeError for the same load; this is one too."""
+
+
+class AdapterLayoutError(BundleError):
+    """A PEFT adapter has weights for modules the model lacks (one trained on a '-quant' model's per-expert
+    nn.Linear experts, loaded onto a model without the bundle): PEFT would leave them untrained."""
+
+
 class IncompatibleQuantizerError(BundleError):
     """A quantizer that cannot work with a bundle's module layout."""
+
+
+class ExpertsImplementationError(BundleError):
+    """An `experts_implementation` that experts layerswap swapped in cannot run (the '-quant' bundles' per-expert
+    nn.Linear layers have no fused 3D weights for grouped_mm or batched_mm)."""
 
 
 class FusedQKVParallelismError(BundleError):

@@ -15,28 +15,32 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import re
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import modeling_utils, monkey_patching
+from transformers import conversion_mapping, modeling_utils, monkey_patching
 from transformers.modeling_utils import PreTrainedModel
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.output_capturing import OutputRecorder
 
 from ._errors import (
+    CheckpointShapeError,
     IncompatibleQuantizerError,
     LayerswapWarning,
     MissingExpertWeightsError,
     WeightConversionError,
 )
+from ._plans import rewrite_tp_plans
 
 # (owner, attribute name, original value as found in owner.__dict__)
 _installed: list[tuple[Any, str, Any]] = []
@@ -52,6 +56,13 @@ def install() -> None:
     _wrap(PreTrainedModel, "_finalize_model_loading", _make_guarded_finalize)
     _wrap(HfQuantizer, "get_modules_to_not_convert", _make_skip_aware_modules_to_not_convert)
     _wrap(HfQuantizer, "preprocess_model", _make_checked_preprocess_model)
+    _wrap(conversion_mapping, "get_checkpoint_conversion_mapping", _make_overridable_checkpoint_conversions)
+    _wrap(PreTrainedModel, "post_init", _make_checked_post_init)
+    if "set_experts_implementation" in vars(PreTrainedModel):
+        _wrap(PreTrainedModel, "set_experts_implementation", _make_checked_set_experts_implementation)
+    model_conversions = conversion_mapping.get_model_conversion_mapping
+    for module in _modules_binding(model_conversions):
+        _wrap(module, "get_model_conversion_mapping", _make_per_model_conversions)
 
 
 def uninstall() -> None:
@@ -71,6 +82,102 @@ def _wrap(owner: Any, attribute: str, make_wrapper: Any) -> None:
     setattr(owner, attribute, make_wrapper(original))
 
 
+# --- per-model conversions -------------------------------------------------------------------------------
+
+# The conversion lists that fit the model whose get_model_conversion_mapping is running in this thread.
+_conversion_overrides = threading.local()
+
+
+def _modules_binding(function: Any) -> list[Any]:
+    """The imported transformers modules that bind `function` by its name (`from x import f`): wrapping it in
+    conversion_mapping alone would miss them. A module imported later binds the wrapper, which passes through
+    once no bundle is enabled."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("transformers")
+        and module is not None
+        and getattr(module, "__dict__", {}).get(function.__name__) is function
+    ]
+
+
+def _make_per_model_conversions(original: Any) -> Any:
+    """A bundle's conversions are registered for its model type, so a model of that type the bundle did not swap
+    (built before it was enabled, or with `Model(config)`) would load and save by them: `save_pretrained` wrote
+    the fused layout for a stock model under `-quant`. This looks up, for each model, the lists of the bundles
+    that swapped it, stock for the others."""
+
+    def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> Any:
+        from ._registry import conversion_overrides
+
+        overrides = conversion_overrides(model)
+        if not overrides:
+            return original(model, *args, **kwargs)
+        previous = getattr(_conversion_overrides, "lists", None)
+        _conversion_overrides.lists = {**(previous or {}), **overrides}
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            _conversion_overrides.lists = previous
+
+    return get_model_conversion_mapping
+
+
+def _make_overridable_checkpoint_conversions(original: Any) -> Any:
+    def get_checkpoint_conversion_mapping(model_type: str) -> Any:
+        overrides = getattr(_conversion_overrides, "lists", None)
+        if overrides and model_type in overrides:
+            return copy.deepcopy(overrides[model_type])
+        return original(model_type)
+
+    return get_checkpoint_conversion_mapping
+
+
+# --- experts implementation ------------------------------------------------------------------------------
+
+# Set in a swapped experts module's __dict__ once set_experts_implementation chose its implementation.
+EXPERTS_IMPLEMENTATION_CHOSEN = "_layerswap_experts_implementation_chosen"
+
+
+def _make_checked_set_experts_implementation(original: Any) -> Any:
+    """`set_experts_implementation` only sets the config, which swapped experts computing their own way would
+    ignore. Each swapped experts module checks the implementation first (the '-quant' experts refuse those they
+    cannot run, before anything changes) and is marked as having had one chosen (the '-fast' experts then run it,
+    even the one the config already named)."""
+
+    def set_experts_implementation(self: Any, experts_implementation: str | dict) -> Any:
+        experts = [
+            (module, _implementation_for(self, module, experts_implementation))
+            for _, module in swapped_modules(self)
+            if hasattr(module, "_layerswap_check_experts_implementation")
+        ]
+        for module, requested in experts:
+            if requested is not None:
+                module._layerswap_check_experts_implementation(requested)
+        result = original(self, experts_implementation)
+        for module, requested in experts:
+            if requested is not None:
+                module.__dict__[EXPERTS_IMPLEMENTATION_CHOSEN] = True
+        return result
+
+    return set_experts_implementation
+
+
+def _implementation_for(model: Any, module: nn.Module, requested: str | dict) -> str | None:
+    """The implementation a `set_experts_implementation(requested)` call gives `module` (None: it keeps its own),
+    by transformers' rule: a string goes to every submodel; a dict's "" key to the model's own config, its other
+    keys to the sub-config of that name."""
+    if not isinstance(requested, dict):
+        return requested
+    config = getattr(module, "config", None)
+    if config is model.config:
+        return requested.get("")
+    for key in getattr(model.config, "sub_configs", {}) or {}:
+        if getattr(model.config, key, None) is config:
+            return requested.get(key)
+    return None
+
+
 # --- class swapping ---------------------------------------------------------------------------------------
 
 
@@ -88,7 +195,11 @@ def _make_exception_safe_apply_patches(original: Any) -> Any:
     @contextmanager
     def apply_patches() -> Iterator[None]:
         with _BUILD_LOCK, _restoring_original_classes(original):
-            yield
+            _building.depth = getattr(_building, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                _building.depth -= 1
 
     return apply_patches
 
@@ -146,6 +257,107 @@ def _swap_classes() -> Iterator[None]:
             setattr(module, name, value)
 
 
+# --- manual construction (`Model(config)`) ------------------------------------------------------------------
+
+# Builds inside transformers' apply_patches (from_pretrained, from_config) in this thread.
+_building = threading.local()
+# (module name, class name) -> [module, stock class, replacement, open blocks]: classes swapped in transformers'
+# modules for `use_bundle` / `apply_bundles` blocks, so that `Model(config)` inside them is swapped too.
+_construction_swaps: dict[tuple[str, str], list[Any]] = {}
+
+
+def swap_for_construction(read_replacements: Any) -> list[tuple[str, str]]:
+    """Bind each replacement (class name -> class, from `read_replacements()`) in place of its stock class in the
+    imported transformers modules, until `unswap_for_construction` of the returned token; blocks that swap the same
+    class are counted. Holds the build lock, so no model build sees half a swap."""
+    entered = []
+    with _BUILD_LOCK:
+        for class_name, replacement in read_replacements().items():
+            stock = replacement._layerswap_original
+            for module_name, module in list(sys.modules.items()):
+                if not module_name.startswith("transformers") or module is None or isinstance(module, type):
+                    continue
+                key = (module_name, class_name)
+                entry = _construction_swaps.get(key)
+                if entry is not None and entry[2] is replacement:
+                    entry[3] += 1
+                elif getattr(module, "__dict__", {}).get(class_name) is stock:
+                    _construction_swaps[key] = [module, stock, replacement, 1]
+                    setattr(module, class_name, replacement)
+                else:
+                    continue
+                entered.append(key)
+    return entered
+
+
+def unswap_for_construction(entered: list[tuple[str, str]]) -> None:
+    with _BUILD_LOCK:
+        for key in entered:
+            entry = _construction_swaps.get(key)
+            if entry is None:
+                continue
+            entry[3] -= 1
+            if entry[3] == 0:
+                del _construction_swaps[key]
+                module, stock, replacement, _ = entry
+                if vars(module).get(key[1]) is replacement:
+                    setattr(module, key[1], stock)
+
+
+def _make_checked_post_init(original: Any) -> Any:
+    """Every PreTrainedModel's constructor ends in post_init. A model built by its constructor outside
+    transformers' apply_patches gets, when swapped (inside `use_bundle` / `apply_bundles`), the conversions in
+    force (as from_config's do, so it saves the stock layout after the bundle is disabled); unswapped, a warning
+    when an enabled bundle serves its family."""
+
+    def post_init(self: Any) -> None:
+        original(self)
+        if not getattr(_building, "depth", 0):
+            if swapped_modules(self):
+                _remember_conversions(self)
+                rewrite_tp_plans(self)
+            else:
+                _warn_on_unswapped_construction(self)
+
+    return post_init
+
+
+# Models warned about, so that the outer model of a nested pair (ForCausalLM around Model) does not warn again.
+_warned_unswapped: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_on_unswapped_construction(model: nn.Module) -> None:
+    from ._registry import enabled_records
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    records = [
+        (bundle, replacements)
+        for bundle, _, replacements in enabled_records()
+        if replacements and model_type in bundle.model_types
+    ]
+    if not records:
+        return
+    modules = list(model.modules())
+    if any(m in _warned_unswapped for m in modules):
+        _warned_unswapped.add(model)
+        return
+    names = {type(m).__name__ for m in modules}
+    for bundle, replacements in records:
+        stock = sorted({r._layerswap_original.__name__ for r in replacements} & names)
+        if stock:
+            _warned_unswapped.add(model)
+            warnings.warn(
+                f"{type(model).__name__} was built by its constructor with the stock {', '.join(stock)} although "
+                f"bundle {bundle.name!r} is enabled: only from_pretrained and from_config swap classes by "
+                "themselves. Build it inside `with layerswap.apply_bundles():` (or `with "
+                f"layerswap.use_bundle({bundle.name!r}):`) to swap it; as built, it is a stock model and saves the "
+                "stock layout.",
+                LayerswapWarning,
+                stacklevel=4,
+            )
+            return
+
+
 # --- output recorders -------------------------------------------------------------------------------------
 
 
@@ -178,9 +390,76 @@ def _make_journaling_patch_output_recorders(original: Any) -> Any:
     def patch_output_recorders(model: nn.Module) -> None:
         _journal_recorders(model)
         _remember_conversions(model)
+        before = _recorders_of(model)
         original(model)
+        _keep_stock_classes_recorded(before)
+        rewrite_tp_plans(model)
 
     return patch_output_recorders
+
+
+def _recorders_of(model: nn.Module) -> list[tuple[dict, dict, dict[int, Any]]]:
+    """(dict, its items, {id(recorder): its target_class}) for each `_can_record_outputs` dict of `model`'s
+    classes, as they are now."""
+    found: dict[int, tuple[dict, dict, dict[int, Any]]] = {}
+    for module in model.modules():
+        recorders = getattr(type(module), "_can_record_outputs", None)
+        if isinstance(recorders, dict) and id(recorders) not in found:
+            targets = {
+                id(recorder): recorder.target_class
+                for value in recorders.values()
+                for recorder in (value if isinstance(value, list) else [value])
+                if isinstance(recorder, OutputRecorder)
+            }
+            found[id(recorders)] = (recorders, dict(recorders), targets)
+    return list(found.values())
+
+
+def _keep_stock_classes_recorded(before: list[tuple[dict, dict, dict[int, Any]]]) -> None:
+    """transformers' patch_output_recorders points each recorder of a patched class at the replacement, in the
+    `_can_record_outputs` dict every model of that class shares: stock-built models of the class (one built before
+    the bundle was enabled, or with `Model(config)`) then recorded no attentions or router logits. A layerswap
+    replacement subclasses the class it replaces, so the stock recorder already records it (also after the bundle
+    is disabled): put that back. A replacement that does not subclass it (LinearExperts, which no family records)
+    is recorded beside a plain-class recorder."""
+    for recorders, items, targets in before:
+        for key, value in list(recorders.items()):
+            old = items.get(key)
+            if value is old:
+                continue  # an OutputRecorder (or a list of them) patched in place, or nothing changed
+            olds = old if isinstance(old, list) else [old]
+            news = value if isinstance(value, list) else [value]
+            if len(olds) != len(news):
+                continue
+            kept = [_stock_side(o, n) for o, n in zip(olds, news, strict=True)]
+            flat = [r for pair in kept for r in pair]
+            recorders[key] = flat if isinstance(old, list) or len(flat) > 1 else flat[0]
+        for value in recorders.values():
+            for recorder in value if isinstance(value, list) else [value]:
+                if isinstance(recorder, OutputRecorder) and id(recorder) in targets:
+                    _restore_stock_target(recorder, targets[id(recorder)])
+
+
+def _is_layerswap_replacement(new: Any, old: Any) -> bool:
+    return isinstance(new, type) and hasattr(new, "_layerswap_original") and new is not old
+
+
+def _stock_side(old: Any, new: Any) -> list[Any]:
+    """What a plain class (or class name) recorder `old`, rewritten to `new`, should record."""
+    if isinstance(old, OutputRecorder) or not _is_layerswap_replacement(new, old):
+        return [new]
+    stock = new._layerswap_original
+    if isinstance(old, type) and issubclass(new, old):
+        return [old]
+    if isinstance(old, str) and issubclass(new, stock) and stock.__name__ == old:
+        return [old]
+    return [old, new]
+
+
+def _restore_stock_target(recorder: OutputRecorder, target: Any) -> None:
+    new = recorder.target_class
+    if _is_layerswap_replacement(new, target) and (target is None or issubclass(new, target)):
+        recorder.target_class = target
 
 
 def _remember_conversions(model: nn.Module) -> None:
@@ -205,7 +484,9 @@ def _make_guarded_finalize(original: staticmethod) -> staticmethod:
 
     def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
         swapped = swapped_modules(model)  # one walk of the module tree for every check below
-        _raise_on_missing_swapped_weights(swapped, load_config, loading_info)
+        _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
+        if not _loads_no_weights_at_all(model, load_config, loading_info):
+            _raise_on_missing_swapped_weights(swapped, load_config, loading_info)
         result = finalize(model, load_config, loading_info)
         _warn_on_bundles_that_swapped_nothing(model, swapped)
         if getattr(load_config, "hf_quantizer", None) is not None and swapped:
@@ -302,6 +583,59 @@ def _quantize_one_weight_per_call(quantizer: HfQuantizer) -> None:
 
 def swapped_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if hasattr(type(m), "_layerswap_original")]
+
+
+def _raise_on_wrong_shaped_swapped_weights(
+    swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
+) -> None:
+    """A checkpoint tensor of a swapped module with another shape is named, with both shapes, in the exception
+    (transformers names it only in its logged load report): one transformers recorded as mismatched, or one that a
+    '-fast' bundle's checked per-expert merge refused (stock would report the stacked weight as missing)."""
+    from .conversions.shape_checks import ShapeCheckedMergeModulelist
+
+    prefixes = tuple(name + "." for name, _ in swapped)
+    if not prefixes:
+        return
+    source = getattr(load_config, "pretrained_model_name_or_path", None) or "the checkpoint"
+    errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
+    for key, text in sorted(errors.items()):
+        op_name, error = _summarize_conversion_error(text)
+        if key.startswith(prefixes) and op_name == ShapeCheckedMergeModulelist.__name__:
+            raise CheckpointShapeError(
+                f"{source} has weights of modules layerswap swapped in with the wrong shape: "
+                f"{error.split(': ', 1)[-1]}. The checkpoint is of another configuration of this model (or "
+                "damaged); load it with its own config.json."
+            )
+    if getattr(load_config, "ignore_mismatched_sizes", False):
+        return
+    mismatched = sorted(
+        (key, tuple(found), tuple(expected))
+        for key, found, expected in getattr(loading_info, "mismatched_keys", ())
+        if key.startswith(prefixes)
+    )
+    if mismatched:
+        shown = "; ".join(
+            f"{key}: {found} in the checkpoint, {expected} in the model"
+            for key, found, expected in mismatched[:6]
+        )
+        more = f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else ""
+        raise CheckpointShapeError(
+            f"{source} has {len(mismatched)} weight(s) of modules layerswap swapped in with another shape than "
+            f"the model: {shown}{more}. The checkpoint is of another configuration of this model: load it with "
+            "its own config.json, or pass ignore_mismatched_sizes=True to from_pretrained to initialise those "
+            "weights randomly on purpose."
+        )
+
+
+def _loads_no_weights_at_all(model: nn.Module, load_config: Any, loading_info: Any) -> bool:
+    """`from_pretrained(None, config=..., state_dict={})`, transformers' way to build a model and initialise every
+    weight, is no checkpoint lacking some: no source, nothing unexpected, every parameter missing."""
+    if (
+        getattr(load_config, "pretrained_model_name_or_path", None) is not None
+        or loading_info.unexpected_keys
+    ):
+        return False
+    return all(name in loading_info.missing_keys for name, _ in model.named_parameters())
 
 
 def _raise_on_missing_swapped_weights(

@@ -165,14 +165,17 @@ def use_bundle(*names: str, **options: Any) -> Iterator[tuple[str, ...]]:
     the last one ends; a bundle enabled with enable_bundle before the block stays enabled after it.
     """
     entered: list[str] = []
+    swapped: list[tuple[str, str]] = []
     try:
         for name in names:
             with _LOCK:
                 _enable(name, options)
                 _scoped_uses[name] = _scoped_uses.get(name, 0) + 1
             entered.append(name)
+        swapped = _load_hooks.swap_for_construction(lambda: _replacements_of(names))
         yield names
     finally:
+        _load_hooks.unswap_for_construction(swapped)  # before _LOCK: builds take the build lock, then _LOCK
         with _LOCK:
             for name in reversed(entered):
                 _scoped_uses[name] -= 1
@@ -180,6 +183,30 @@ def use_bundle(*names: str, **options: Any) -> Iterator[tuple[str, ...]]:
                     del _scoped_uses[name]
                     if name in _enabled and name not in _explicit:
                         _disable_locked(name)
+
+
+@contextmanager
+def apply_bundles() -> Iterator[tuple[str, ...]]:
+    """Swap the enabled bundles' classes in transformers for the block, so that models built by their constructor
+    (`Model(config)`) inside it are swapped as from_pretrained and from_config swap them; yields the names of
+    the bundles in force. (`use_bundle` does the same for its own bundles.) A model built by its constructor while
+    a bundle of its family is enabled, outside such a block, stays stock, with a LayerswapWarning."""
+    names = enabled_bundles()
+    swapped = _load_hooks.swap_for_construction(lambda: _replacements_of(names))
+    try:
+        yield names
+    finally:
+        _load_hooks.unswap_for_construction(swapped)
+
+
+def _replacements_of(names: tuple[str, ...]) -> dict[str, type[nn.Module]]:
+    with _LOCK:
+        return {
+            class_name: replacement
+            for name in names
+            if name in _enabled
+            for class_name, replacement in _enabled[name].replacements.items()
+        }
 
 
 def _disable_locked(name: str, missing_ok: bool = False) -> None:
@@ -276,6 +303,41 @@ def stock_conversions(model_type: str) -> list | None:
         if saved is not None:
             return copy.deepcopy(saved.mapping) if saved.present else None
         return conversion_mapping.get_checkpoint_conversion_mapping(model_type)
+
+
+def conversion_overrides(model: nn.Module) -> dict[str, list | None]:
+    """The conversion lists that fit `model`, for the model types in it whose registered lists enabled bundles
+    edited but some of those bundles swapped nothing in `model` (one built before they were enabled, or with
+    `Model(config)`): stock, as edited by only the bundles that did swap something. Empty when the registered
+    lists fit. A bundle with no patches (conversions only) always applies."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    with _LOCK:
+        records = [record for record in _enabled.values() if record.bundle.conversions]
+        if not records:
+            return {}
+        modules = list(model.modules())
+        model_types = {m.config.model_type for m in modules if isinstance(m, PreTrainedModel)}
+        classes = {type(m) for m in modules}
+
+        def swapped_by(record: _EnabledBundle) -> bool:
+            return not record.replacements or not classes.isdisjoint(record.replacements.values())
+
+        overrides: dict[str, list | None] = {}
+        for model_type in sorted(model_types):
+            editing = [record for record in records if model_type in record.bundle.conversions]
+            applying = [record for record in editing if swapped_by(record)]
+            saved = _saved_conversions.get(model_type)
+            if saved is None or len(applying) == len(editing):
+                continue
+            if not applying and not saved.present:
+                overrides[model_type] = None
+                continue
+            mapping = copy.deepcopy(saved.mapping) if saved.present else []
+            for record in applying:
+                mapping = record.bundle.conversions[model_type](mapping, record.options)
+            overrides[model_type] = mapping
+        return overrides
 
 
 def _conversion_cache() -> dict[str, Any]:

@@ -89,11 +89,13 @@ class Settings:
 
 def model_config(settings: Settings) -> Any:
     if settings.tiny:
-        from layerswap._tiny import tiny_config
+        from layerswap.testing import tiny_config
 
         return tiny_config("qwen2_moe")
     config = resolve_config(MODEL)
     config.num_hidden_layers = settings.layers
+    if getattr(config, "layer_types", None):  # one entry per layer, validated on save
+        config.layer_types = config.layer_types[: settings.layers]
     config.vocab_size = settings.vocab
     config.tie_word_embeddings = False
     return config

@@ -58,6 +58,7 @@ class LinearExperts(nn.ModuleList):
 
     _layerswap_original: type[nn.Module]
     _layerswap_strict = True  # a checkpoint lacking these weights is an error, never a random init
+    _layerswap_bundle = "<model_type>-quant"
     expert_names: ExpertNames = ExpertNames()
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -72,6 +73,33 @@ class LinearExperts(nn.ModuleList):
         self.num_experts = num_experts
         self.hidden_dim = hidden_size
         self.intermediate_dim = intermediate_size
+        # What the config said when the model was built (grouped_mm unless asked otherwise); see
+        # _check_experts_implementation.
+        self._built_experts_implementation = getattr(config, "_experts_implementation", None)
+
+    def _layerswap_check_experts_implementation(self, requested: str) -> None:
+        """Called by `model.set_experts_implementation` (while a bundle is enabled) before anything changes."""
+        if requested != "eager":
+            raise self._experts_implementation_error(requested, "was asked for")
+
+    def _check_experts_implementation(self) -> None:
+        # A change made without the bundle's hook (after disable_bundle) is caught when the experts run.
+        current = getattr(self.config, "_experts_implementation", None)
+        if current not in ("eager", self._built_experts_implementation):
+            raise self._experts_implementation_error(current, "is set in the config")
+
+    def _experts_implementation_error(self, requested: Any, how: str) -> Exception:
+        from .._errors import ExpertsImplementationError
+
+        bundle = self._layerswap_bundle
+        return ExpertsImplementationError(
+            f"experts_implementation={requested!r} {how}, but bundle {bundle!r} replaced "
+            f"{self._layerswap_original.__name__} with {type(self).__name__}: plain nn.Linear layers per expert, "
+            f"computed one expert at a time, with no fused 3D weights for {requested!r} to run on. Keep 'eager' "
+            f"(what these experts compute), or load the model without the bundle "
+            f"(layerswap.disable_bundle({bundle!r}) before from_pretrained) to use {requested!r}; "
+            f"'{bundle.rsplit('-', 1)[0]}-fast' keeps the stock weights and honours experts_implementation."
+        )
 
     # While transformers builds a model (inside `apply_patches`) the family's `_init_weights` sees this class under
     # the stock name and initialises `gate_up_proj` / `down_proj`. Each expert's nn.Linear gets the same
@@ -88,6 +116,7 @@ class LinearExperts(nn.ModuleList):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        self._check_experts_implementation()
         output = torch.zeros_like(hidden_states)
         top_k = top_k_index.shape[-1]
         with torch.no_grad():
@@ -95,16 +124,21 @@ class LinearExperts(nn.ModuleList):
             order = torch.argsort(flat_experts, stable=True)
             # minlength E + 1: index E is the "not on this rank" sentinel of expert parallelism; it is skipped.
             counts = torch.bincount(flat_experts, minlength=self.num_experts + 1).tolist()
-        token_of_pair = order // top_k
-        weight_of_pair = top_k_weights.reshape(-1)[order]
+        routed = sum(counts[: self.num_experts])
+        token_of_pair = (order // top_k)[:routed]
+        weight_of_pair = top_k_weights.reshape(-1)[order[:routed], None]
+        # One gather of the routed rows, grouped by expert; each expert reads a contiguous slice of it, and one
+        # index_add_ sums the weighted outputs per token in the same (expert) order as a per-expert add would.
+        rows = hidden_states[token_of_pair]
+        outputs = []
         start = 0
         for expert_index, count in enumerate(counts[: self.num_experts]):
             if count:
-                tokens = token_of_pair[start : start + count]
-                expert_output = self[expert_index](hidden_states[tokens])
-                expert_output = expert_output * weight_of_pair[start : start + count, None]
-                output.index_add_(0, tokens, expert_output.to(output.dtype))
+                outputs.append(self[expert_index](rows[start : start + count]))
             start += count
+        if outputs:
+            weighted = torch.cat(outputs) * weight_of_pair
+            output.index_add_(0, token_of_pair, weighted.to(output.dtype))
         return output
 
 
@@ -153,6 +187,7 @@ def linear_experts_adapter(model_type: str) -> Any:
             (LinearExperts,),
             {
                 "_layerswap_original": original,
+                "_layerswap_bundle": f"{model_type}-quant",
                 "expert_names": names,
                 "__module__": __name__,
                 "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",

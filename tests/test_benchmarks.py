@@ -1,37 +1,12 @@
 """The benchmark scripts run as a user runs them (as scripts of the checkout): a smallest sweep of each suite
 cheap enough for CI. Tests only run them; they do not import their internals."""
 
-import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _run(script, *args, check=True):
-    environment = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=600,
-    )
-    if check:
-        assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def _rows(path):
-    with path.open() as handle:
-        return list(csv.DictReader(handle))
+from benchmark_scripts import read_rows, run_script
 
 
 def test_attention_benchmark_sweep_runs_and_reports_every_provider(tmp_path):
     out = tmp_path / "attention.csv"
-    _run(
+    run_script(
         "bench_attention.py",
         "--csv",
         str(out),
@@ -46,7 +21,7 @@ def test_attention_benchmark_sweep_runs_and_reports_every_provider(tmp_path):
         "--working-set-mb",
         "0",
     )
-    rows = _rows(out)
+    rows = read_rows(out)
     assert {(r["kernel"], r["provider"]) for r in rows} == {
         ("qkv_proj", "stock"),
         ("qkv_proj", "fused"),
@@ -62,8 +37,8 @@ def test_attention_benchmark_sweep_runs_and_reports_every_provider(tmp_path):
 
 
 def test_the_benchmark_entry_point_writes_a_csv_with_versions_and_a_plot(tmp_path):
-    _run("run.py", "--suite", "memory", "--out", str(tmp_path))
-    rows = _rows(tmp_path / "results.csv")
+    run_script("run.py", "--suite", "memory", "--out", str(tmp_path))
+    rows = read_rows(tmp_path / "results.csv")
     assert rows and set(rows[0]) >= {
         "kernel",
         "provider",
@@ -80,7 +55,7 @@ def test_the_benchmark_entry_point_writes_a_csv_with_versions_and_a_plot(tmp_pat
 
 
 def test_the_benchmark_entry_point_on_cuda_without_a_gpu_says_so_and_exits_2(tmp_path):
-    done = _run(
+    done = run_script(
         "run.py", "--suite", "moe", "--device", "cuda", "--out", str(tmp_path), check=False
     )  # the CPU wheel has no CUDA
     assert done.returncode == 2

@@ -3,32 +3,12 @@ smallest sizes: every provider reports, and every CSV row names the machine."""
 
 from __future__ import annotations
 
-import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_scripts import read_rows, run_script
+
 MACHINE_COLUMNS = {"cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers"}
-
-
-def run_script(script: str, *args: str) -> None:
-    environment = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def read_rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as handle:
-        return list(csv.DictReader(handle))
 
 
 def test_fused_moe_benchmark_covers_quant_and_forced_strategies(tmp_path: Path) -> None:

@@ -54,23 +54,11 @@ except ImportError:  # a checkout without `pip install -e .`
     import layerswap
 
 from layerswap.shapes import resolve_config  # noqa: E402
-from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
+from machine import MACHINE_FIELDS, RESULT_FIELDS, machine_fields, machine_label  # noqa: E402
 
 MODEL = "Qwen/Qwen1.5-MoE-A2.7B"
 PROVIDERS = ("stock", "quant", "quant+nf4", "quant+int8", "quant+torchao-int8", "fast")
-CSV_FIELDS = (
-    "kernel",
-    "provider",
-    "shape",
-    "dtype",
-    "tokens",
-    "metric",
-    "median",
-    "p20",
-    "p80",
-    "device",
-    *MACHINE_FIELDS,
-)
+CSV_FIELDS = (*RESULT_FIELDS, *MACHINE_FIELDS)
 
 
 @dataclass(frozen=True)

@@ -42,23 +42,10 @@ except ImportError:  # a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
-from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
+from machine import MACHINE_FIELDS, RESULT_FIELDS, machine_fields, machine_label  # noqa: E402
 
 SUITES = ("moe", "attention", "memory", "load", "model")
-CSV_FIELDS = (
-    "kernel",
-    "provider",
-    "shape",
-    "dtype",
-    "tokens",
-    "metric",
-    "median",
-    "p20",
-    "p80",
-    "device",
-    "versions",
-    *MACHINE_FIELDS,
-)
+CSV_FIELDS = (*RESULT_FIELDS, "versions", *MACHINE_FIELDS)
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 

@@ -19,9 +19,10 @@ Each provider loads that checkpoint with `from_pretrained`:
 All models stay loaded and take turns, round by round in a shuffled order: a prefill of `--prompt` tokens, then
 `--decode` greedy decode steps on its KV cache. Reported: prefill and decode tokens/s (median, p20, p80 over
 rounds), and per round the ratio to stock's round (speedup_vs_stock, > 1 is faster), so that load from other
-processes hits every provider alike. Memory, per provider: the weight footprint (`get_memory_footprint`), the
-peak RSS while loading and while running one prefill + decode, each above the RSS just before (VmHWM reset
-through /proc/self/clear_refs; "nan" where the kernel does not allow it), and their ratios to stock.
+processes hits every provider alike. Memory, per provider: the weight footprint (`stored_bytes`: what
+`get_memory_footprint` counts, torchao's tensor subclasses by their int8 data and scales), the peak RSS while
+loading and while running one prefill + decode, each above the RSS just before (VmHWM reset through
+/proc/self/clear_refs; "nan" where the kernel does not allow it), and their ratios to stock.
 CSV columns: kernel, provider, shape, dtype, tokens, metric, median, p20, p80, device, then the machine
 (benchmarks/machine.py).
 """
@@ -206,7 +207,22 @@ def load(provider: str, directory: Path) -> Loaded:
         for parameter in model.parameters():  # zero-copy weights are mmapped views: read every page once
             with contextlib.suppress(Exception):  # a quantized tensor subclass may not slice
                 parameter.data.reshape(-1)[::1024].float().sum()
-    return Loaded(provider, model, model.get_memory_footprint() / 2**20, peak.mib)
+    return Loaded(provider, model, stored_bytes(model) / 2**20, peak.mib)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor stores: for a tensor subclass (torchao's quantized weights) its inner tensors, since
+    `element_size()` reports the dtype it stands for (bf16), not its int8 data and scales."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.nelement() * tensor.element_size()
+
+
+def stored_bytes(model: torch.nn.Module) -> int:
+    """The weight footprint as `get_memory_footprint()` counts it (parameters and buffers), tensor subclasses
+    by what they store."""
+    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
 
 
 def prefill(loaded: Loaded, prompt: torch.Tensor) -> torch.Tensor:

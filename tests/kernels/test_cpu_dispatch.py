@@ -70,8 +70,10 @@ def run(plan: Plan, x, gate_up, down, index, weights, activation="silu"):
 
 
 def check(got, want, dtype):
+    # Absolute tolerance relative to the output's scale: top_k = E sums five rounded expert outputs of up to ~5.
     tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+    scale = max(want.abs().max().item(), 1.0)
+    torch.testing.assert_close(got.float(), want, atol=tolerance * scale, rtol=tolerance)
 
 
 # T=1: decode, one row per expert; T=5: 1-3 rows per expert (the direct side of upcast); T=40 and prime T=97:

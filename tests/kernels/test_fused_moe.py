@@ -13,7 +13,7 @@ from layerswap.kernels import KernelInputError, TileConfig, fused_moe, fused_moe
 
 triton = pytest.importorskip("triton")
 from layerswap.kernels import _triton_fused_moe as kernels  # noqa: E402
-from layerswap.kernels.fused_moe import get_tile_config  # noqa: E402
+from layerswap.kernels.configs import get_tile_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ._cpu_strategies import Plan
+from .configs import KernelInputError, TileConfig
 from .cpu_dispatch import CpuInfo, cpu_info, plan_for
-from .fused_moe import KernelInputError, TileConfig, fused_moe
+from .fused_moe import fused_moe
 from .reference import fused_moe_reference
 
 __all__ = [

@@ -27,12 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_moe import TileConfig, activation_code, get_tile_config
+from .configs import TileConfig, activation_code, get_tile_config
 
 
 @triton.jit
 def _activation(x, ACTIVATION: tl.constexpr):
-    # Codes match fused_moe.activation_code; x is fp32.
+    # Codes match configs.activation_code; x is fp32.
     if ACTIVATION == 0:  # silu
         return x / (1.0 + tl.exp(-x))
     elif ACTIVATION == 1:  # gelu (erf)

@@ -1,8 +1,9 @@
-"""Public fused-MoE experts entry point: backend choice, input checks, tile configs, and the torch custom op.
+"""Public fused-MoE experts entry point: backend choice, input checks, and the torch custom op.
 
     out = fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation="silu")
 
-The Triton kernels live in `_triton_fused_moe` and are imported only when the Triton backend runs, so this
+The Triton kernels live in `_triton_fused_moe` (their tile configs in `configs`) and are imported only when the
+Triton backend runs, so this
 module (and the torch backend) work without triton installed. On CPU the torch backend runs the strategy
 this machine measured fastest for the dtype, token count and shape (`cpu_dispatch`); elsewhere, and whenever
 autograd needs gradients, `fused_moe_reference`. Under torch.compile the call goes through the
@@ -16,86 +17,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from .._errors import BundleError
+from .configs import ACTIVATION_CODES, KernelInputError
 from .cpu_dispatch import cpu_fused_moe
-from .reference import ACTIVATIONS, Activation, fused_moe_reference
+from .reference import Activation, fused_moe_reference
 
 Backend = Literal["triton", "torch"]
-
-# Integer codes the Triton kernels switch on (a constexpr), one per name in reference.ACTIVATIONS.
-_ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
-assert set(_ACTIVATION_CODES) == set(ACTIVATIONS)
-
-
-class KernelInputError(BundleError, ValueError):
-    """Tensors, activation or backend that the fused-MoE kernels cannot take."""
-
-
-def activation_code(activation: str) -> int:
-    return _ACTIVATION_CODES[activation]
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile sizes of both grouped GEMMs. `block_n` is the width of the gate tile (and of the up tile beside it)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8  # row blocks per launch group (L2 reuse of gathered rows); irrelevant at decode
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            # tl.dot needs every dimension >= 16, and tl.arange a power of two.
-            if value < 16 or value & (value - 1):
-                raise KernelInputError(f"TileConfig.{name} must be a power of two >= 16, got {value}")
-        if self.group_m < 1:
-            raise KernelInputError(f"TileConfig.group_m must be >= 1, got {self.group_m}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise KernelInputError(
-                f"TileConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}"
-            )
-        if self.num_stages < 1:
-            raise KernelInputError(f"TileConfig.num_stages must be >= 1, got {self.num_stages}")
-
-
-# Safe defaults per token-count bucket (not tuned on a GPU yet; see _TUNED_CONFIGS). Decode is bound by
-# reading the weights: BLOCK_M = 16 wastes the least padding (one block per active expert) and a narrow
-# BLOCK_N spreads the few active experts over more programs, to keep every SM loading. Prefill is
-# compute-bound: a larger BLOCK_M reuses each weight tile across more rows. BLOCK_N stays at 64 because GEMM1
-# holds two fp32 accumulators (gate and up). Shared memory per program, (BM*BK + 2*BK*BN) * bytes * stages,
-# stays under ~82 KB for 16-bit inputs and, with the launcher's fp32 cap of 2 stages, for fp32 too, so the
-# defaults fit GPUs with 100 KB of shared memory per SM (sm_86/sm_89) as well as A100/H100.
-_DEFAULT_CONFIGS: dict[str, TileConfig] = {
-    "le16": TileConfig(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4),
-    "le128": TileConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=4),
-    "le1024": TileConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
-    "gt1024": TileConfig(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=3),
-}
-
-# Tuned entries, keyed by (num_experts, intermediate size, torch.cuda.get_device_name(), bucket).
-# Empty on purpose: no entry is added without a measurement on that GPU (benchmarks/gpu_check.sh).
-_TUNED_CONFIGS: dict[tuple[int, int, str, str], TileConfig] = {}
-
-
-def token_bucket(num_tokens: int) -> str:
-    for limit in (16, 128, 1024):
-        if num_tokens <= limit:
-            return f"le{limit}"
-    return "gt1024"
-
-
-def get_tile_config(num_experts: int, intermediate: int, device_name: str, num_tokens: int) -> TileConfig:
-    bucket = token_bucket(num_tokens)
-    return _TUNED_CONFIGS.get((num_experts, intermediate, device_name, bucket), _DEFAULT_CONFIGS[bucket])
 
 
 @functools.cache
@@ -228,14 +158,14 @@ def fused_moe(
     named = isinstance(activation, str)
     # A custom callable cannot be fused into the kernels, so the automatic choice falls back to torch for it.
     chosen = _resolve_backend(backend, hidden_states) if named or backend is not None else "torch"
-    if named and activation not in _ACTIVATION_CODES:
+    if named and activation not in ACTIVATION_CODES:
         raise KernelInputError(
-            f"unknown activation {activation!r}: expected one of {sorted(_ACTIVATION_CODES)} or a callable"
+            f"unknown activation {activation!r}: expected one of {sorted(ACTIVATION_CODES)} or a callable"
         )
     if not named and chosen == "triton":
         raise KernelInputError(
             "the Triton kernels fuse named activations only; pass one of "
-            f"{sorted(_ACTIVATION_CODES)} or use backend='torch' for a custom callable"
+            f"{sorted(ACTIVATION_CODES)} or use backend='torch' for a custom callable"
         )
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, gate_up_proj, down_proj, top_k_weights)

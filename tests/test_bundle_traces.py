@@ -247,6 +247,7 @@ def test_from_pretrained_with_no_weights_at_all_initialises_and_a_partial_state_
 
 def test_an_adapter_trained_on_quant_experts_is_refused_for_a_model_without_the_bundle(tmp_path):
     import peft
+
     tiny_model("qwen2_moe").save_pretrained(tmp_path / "base")
     with layerswap.use_bundle("qwen2_moe-quant"):
         swapped = AutoModelForCausalLM.from_pretrained(tmp_path / "base")

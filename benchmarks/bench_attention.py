@@ -36,9 +36,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT / "src"))
 
-from layerswap._bundle import BundleOptions  # noqa: E402
-from layerswap.adapters.attention import FusedQKVAttention, fused_qkv_adapter  # noqa: E402
+from layerswap.bundle import BundleOptions  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
+from layerswap.swaps.fused_qkv.modules import FusedQKVAttention, fused_qkv_adapter  # noqa: E402
 
 SHAPES = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen3-30B-A3B")
 TOKENS = (1, 4, 16, 64, 512)

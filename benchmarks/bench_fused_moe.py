@@ -46,9 +46,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layerswap  # noqa: E402
-from layerswap.adapters.fused_experts import fused_experts_forward  # noqa: E402
 from layerswap.kernels import plan_for  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
+from layerswap.swaps.fast.modules import fused_experts_forward  # noqa: E402
 from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
 
 SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}

@@ -13,8 +13,8 @@ os.environ.setdefault(
 from transformers.utils import logging
 
 import layerswap
-from global_state import comparable, describe_difference, global_state, leaked_recorders
-from layerswap import _registry
+from _support.global_state import comparable, describe_difference, global_state, leaked_recorders
+from layerswap import registry as _registry
 
 logging.set_verbosity_error()
 

@@ -1,7 +1,7 @@
 """The benchmark scripts run as a user runs them (as scripts of the checkout): a smallest sweep of each suite
 cheap enough for CI. Tests only run them; they do not import their internals."""
 
-from benchmark_scripts import read_rows, run_script
+from _support.benchmark_scripts import read_rows, run_script
 
 
 def test_attention_benchmark_sweep_runs_and_reports_every_provider(tmp_path):

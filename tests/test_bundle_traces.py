@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
 
 import layerswap
-from checkpoints import read_checkpoint
-from layerswap.adapters.experts import LinearExperts
-from numerics import assert_computed_close
-from tiny_models import tiny_config, tiny_input_ids, tiny_model
+from _support.checkpoints import read_checkpoint
+from _support.numerics import assert_computed_close
+from _support.tiny_models import tiny_config, tiny_input_ids, tiny_model
+from layerswap.swaps.quant.modules import LinearExperts
 
 
 def _stock_keys(model_type, tmp_path):
@@ -93,7 +93,7 @@ def test_quant_experts_refuse_an_experts_implementation_they_cannot_run():
 
 
 def test_fast_experts_run_the_experts_implementation_that_is_set(monkeypatch, tmp_path):
-    from layerswap.adapters import fused_experts
+    from layerswap.swaps.fast import modules as fused_experts
 
     calls = []
     fused = fused_experts.fused_moe

@@ -9,8 +9,9 @@ import pytest
 import transformers.models
 from transformers.integrations.moe import use_experts_implementation  # noqa: F401  (the decorator we look for)
 
-from layerswap.catalog import CATALOG, FAMILIES
-from transformers_support import row_missing
+from _support.transformers_support import row_missing
+from layerswap.catalog import CATALOG
+from layerswap.families import FAMILIES
 
 # Group-A classes (plain @use_experts_implementation) not in the table, each with the reason.
 NOT_IN_TABLE = {

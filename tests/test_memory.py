@@ -8,11 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerswap
+from _support.tiny_models import tiny_config
 from layerswap import BundleError
 from layerswap.memory import bnb_replaced_linears, weight_footprint
 from layerswap.shapes import meta_model, resolve_config
 from layerswap.testing import load_probe
-from tiny_models import tiny_config
 
 QUANTIZATION = {
     "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},

@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 import layerswap
-from checkpoints import drop_keys
-from tiny_models import tiny_model
+from _support.checkpoints import drop_keys
+from _support.tiny_models import tiny_model
 
 QUANTIZER_ERROR = "Int4 packing is not supported on cpu"  # what torchao's int4 op can raise on a CPU
 

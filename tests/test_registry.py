@@ -10,14 +10,16 @@ import torch
 from transformers import AutoModelForCausalLM, monkey_patching
 
 import layerswap
-from checkpoints import assert_state_dicts_identical
-from global_state import comparable, global_state
-from layerswap import _compat, _registry, catalog
-from layerswap._bundle import Bundle, Patch
-from layerswap._errors import BundleConflictError, UnknownBundleError, UnsupportedTransformersError
-from layerswap.adapters.experts import LinearExperts, linear_experts_adapter
-from numerics import assert_computed_close
-from tiny_models import tiny_input_ids, tiny_model
+from _support.checkpoints import assert_state_dicts_identical
+from _support.global_state import comparable, global_state
+from _support.numerics import assert_computed_close
+from _support.tiny_models import tiny_input_ids, tiny_model
+from layerswap import catalog
+from layerswap import registry as _registry
+from layerswap._hf import compat as _compat
+from layerswap.bundle import Bundle, Patch
+from layerswap.errors import BundleConflictError, UnknownBundleError, UnsupportedTransformersError
+from layerswap.swaps.quant.modules import LinearExperts, linear_experts_adapter
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +226,7 @@ def test_list_and_get_bundles():
     bundles = layerswap.list_bundles()
     assert {b.name for b in bundles} >= {"qwen2_moe-quant", "mixtral-quant", "deepseek_v3-quant"}
     bundle = layerswap.get_bundle("qwen2_moe-quant")
-    assert bundle.families == ("qwen2_moe",) and bundle.purpose == "quant" and bundle.description
+    assert bundle.model_types == ("qwen2_moe",) and bundle.purpose == "quant" and bundle.description
     assert _registry.enabled_bundles() == ()
 
 
@@ -232,7 +234,7 @@ def test_an_error_while_building_a_model_leaves_no_class_swapped():
     # transformers' apply_patches does not restore classes when the model constructor raises; layerswap does.
     import transformers.models.qwen2_moe.modeling_qwen2_moe as modeling
 
-    from tiny_models import tiny_config
+    from _support.tiny_models import tiny_config
 
     stock_class = modeling.Qwen2MoeExperts
     config = tiny_config("qwen2_moe", moe_intermediate_size=-1)  # makes the experts' constructor raise
@@ -271,7 +273,7 @@ def test_class_swap_is_the_one_transformers_apply_patches_makes_and_is_undone():
     import transformers.models.llama.modeling_llama
     import transformers.models.olmoe.modeling_olmoe  # noqa: F401
 
-    from layerswap import _load_hooks
+    from layerswap._hf import patching as _load_hooks
 
     # transformers 5.15-5.20 alias old module paths with modules whose dir() imports their target (an image
     # processor needing torchvision, say), and its own apply_patches lists every module with dir().

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 import layerswap
-from layerswap._errors import BundleError, RoutingMismatchError
-from layerswap.adapters.experts import LinearExperts
+from _support.numerics import assert_computed_close
+from _support.tiny_models import tiny_input_ids, tiny_model
 from layerswap.calibration import calibrate_all_experts
+from layerswap.errors import BundleError, RoutingMismatchError
 from layerswap.routing import moe_routers, record_routing, replay_routing, routing_from_vllm
-from numerics import assert_computed_close
-from tiny_models import tiny_input_ids, tiny_model
+from layerswap.swaps.quant.modules import LinearExperts
 
 MODEL_TYPE = "qwen2_moe"  # 2 MoE layers, 8 experts, top_k 2
 TOP_K = 2

@@ -6,9 +6,10 @@ layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_con
 
 from __future__ import annotations
 
-from . import _compat  # noqa: F401  (checks the installed transformers first)
-from ._bundle import Bundle, BundleOptions
-from ._errors import (
+from ._hf import compat as _compat  # noqa: F401  (checks the installed transformers first)
+from .bundle import Bundle, BundleOptions
+from .calibration import calibrate_all_experts
+from .errors import (
     AdapterLayoutError,
     BundleConflictError,
     BundleError,
@@ -16,6 +17,7 @@ from ._errors import (
     ExpertsImplementationError,
     FusedQKVParallelismError,
     IncompatibleQuantizerError,
+    KernelInputError,
     LayerswapWarning,
     MissingExpertWeightsError,
     RoutingMismatchError,
@@ -23,7 +25,8 @@ from ._errors import (
     UnsupportedTransformersError,
     WeightConversionError,
 )
-from ._registry import (
+from .peft_adapters import check_adapter
+from .registry import (
     apply_bundles,
     disable_bundle,
     enable_bundle,
@@ -32,11 +35,9 @@ from ._registry import (
     list_bundles,
     use_bundle,
 )
-from .adapters.fused_experts import register_experts_backend, unregister_experts_backend
-from .calibration import calibrate_all_experts
-from .peft_adapters import check_adapter
 from .report import Report, report
 from .routing import RecordedRouting, record_routing, replay_routing, routing_from_vllm
+from .swaps.fast import register_experts_backend, unregister_experts_backend
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "ExpertsImplementationError",
     "FusedQKVParallelismError",
     "IncompatibleQuantizerError",
+    "KernelInputError",
     "LayerswapWarning",
     "MissingExpertWeightsError",
     "RecordedRouting",

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import BundleError
-from .adapters.experts import LinearExperts
+from .errors import BundleError
+from .families import FAMILIES
+from .swaps.quant import LinearExperts
 
 _FORWARD_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -57,8 +58,6 @@ def _feed_unrouted_tokens(chunk_size: int) -> Any:
 
 
 def _no_linear_experts_message(model: nn.Module) -> str:
-    from .catalog import FAMILIES
-
     stock_experts = {family.experts: family.model_type for family in FAMILIES if family.experts}
     fused = next((m for m in model.modules() if type(m).__name__ in stock_experts), None)
     if fused is not None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
-    from ._compat import TRANSFORMERS_VERSION, bundle_requirement
+    from ._hf.compat import TRANSFORMERS_VERSION, bundle_requirement
 
     bundles = list_bundles()
     # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
@@ -64,7 +64,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from .demo import run_demo
 
     return run_demo(model_type=args.model_type)
 
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except Exception as error:
-        from ._errors import BundleError
+        from .errors import BundleError
 
         if isinstance(error, BundleError):
             print(f"layerswap: {error}", file=sys.stderr)

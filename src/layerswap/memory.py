@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._errors import BundleError
+from ._hf.quantizers import keep_in_fp32_strict, modules_not_to_convert
+from .errors import BundleError
 
 SCHEMES = ("bf16", "nf4", "int8")
 # Storage bytes per element of a weight that bitsandbytes replaced: Params4bit packs two values in one uint8
@@ -41,22 +42,6 @@ class Footprint:
         return self.total_bytes / 2**30
 
 
-def modules_not_to_convert(model: nn.Module, skip_modules: list[str] | None = None) -> list[str]:
-    """The patterns a bitsandbytes quantizer would pass to `replace_with_bnb_linear` for this model, now: the
-    layerswap bundles enabled now add their keep-unquantized modules, as they do at load time."""
-    from transformers.quantizers.base import HfQuantizer
-
-    from ._load_hooks import keep_unquantized_modules
-
-    patterns = HfQuantizer.get_modules_to_not_convert(
-        model,
-        list(skip_modules) if skip_modules is not None else None,
-        getattr(model, "_keep_in_fp32_modules", None),
-    )
-    # Idempotent when layerswap's hook is installed; explicit so the result does not hinge on install order.
-    return sorted(set(patterns) | set(keep_unquantized_modules(model)))
-
-
 def bnb_replaced_linears(model: nn.Module, skip_modules: list[str] | None = None) -> list[str]:
     """Names of the modules that transformers' `replace_with_bnb_linear` would replace in `model`."""
     from transformers.quantizers.quantizers_utils import should_convert_module
@@ -70,7 +55,7 @@ def bnb_replaced_linears(model: nn.Module, skip_modules: list[str] | None = None
 
 
 def _strict_fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str]:
-    strict = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    strict = keep_in_fp32_strict(model)
     if not strict or dtype not in (torch.float16, torch.bfloat16):
         return set()
     return {name for name, _ in model.named_parameters() if any(s in name for s in strict)}

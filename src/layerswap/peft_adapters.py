@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ._errors import AdapterLayoutError
+from .errors import AdapterLayoutError
 
 # What PEFT puts around a module's name in an adapter's saved keys.
 _PEFT_PREFIX = "base_model.model."

@@ -7,24 +7,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .adapters.experts import LinearExperts
-
-# Class names of quantized linear layers that are not nn.Linear subclasses, or hide their quantization there.
-_QUANTIZED_LINEAR_NAMES = {
-    "Linear4bit",
-    "Linear8bitLt",
-    "HQQLinear",
-    "QLinear",
-    "WQLinear_GEMM",
-    "QuantLinear",
-    "FP8Linear",
-}
-_QUANTIZED_WEIGHT_NAMES = {
-    "Params4bit",
-    "Int8Params",
-    "AffineQuantizedTensor",
-    "LinearActivationQuantizedTensor",
-}
+from ._hf.active import swapped_modules
+from .quantized import is_quantized_linear
+from .registry import enabled_records
+from .swaps.quant import LinearExperts
 
 
 @dataclass(frozen=True)
@@ -74,22 +60,6 @@ class Report:
         return "\n".join(lines)
 
 
-def is_quantized_linear(module: nn.Module) -> bool:
-    if type(module).__name__ in _QUANTIZED_LINEAR_NAMES:
-        return True
-    weight = getattr(module, "weight", None)
-    if weight is None or not isinstance(module, nn.Linear):
-        return False
-    return _is_quantized_tensor(weight) or _is_quantized_tensor(getattr(weight, "data", weight))
-
-
-def _is_quantized_tensor(tensor: object) -> bool:
-    # torchao keeps nn.Linear and swaps the weight for a tensor subclass (Int8Tensor, Int4Tensor, Float8Tensor...),
-    # all derived from torchao.utils.TorchAOBaseTensor; matched by name so torchao need not be importable.
-    names = {cls.__name__ for cls in type(tensor).__mro__}
-    return bool(names & (_QUANTIZED_WEIGHT_NAMES | {"TorchAOBaseTensor"}))
-
-
 def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_quantized_linear(module)
 
@@ -109,9 +79,6 @@ def _is_stock_experts(module: nn.Module) -> bool:
 
 def report(model: nn.Module) -> Report:
     """Count where `model`'s parameters are: linear or not, quantized or not, expert or not."""
-    from ._load_hooks import swapped_modules
-    from ._registry import enabled_records
-
     swapped = Counter(type(m)._layerswap_original.__name__ for _, m in swapped_modules(model))
     linear = other = quantized = experts = experts_linear = experts_quantized = 0
     expert_linear_ids = {
@@ -137,9 +104,9 @@ def report(model: nn.Module) -> Report:
     footprint += sum(b.numel() * b.element_size() for b in model.buffers())
     warnings = []
     swapped_classes = {type(m) for _, m in swapped_modules(model)}
-    for bundle, _, replacements in enabled_records():
-        if replacements and not swapped_classes & replacements:
-            warnings.append(f"enabled bundle {bundle.name!r} swapped nothing in this model")
+    for record in enabled_records():
+        if record.replacements and not swapped_classes & record.replacements:
+            warnings.append(f"enabled bundle {record.bundle.name!r} swapped nothing in this model")
     if experts and experts_quantized == 0 and quantized:
         warnings.append(
             "the model is quantized but none of its expert parameters are: enable the family's '-quant' bundle"

@@ -28,33 +28,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
-import importlib
 import io
 import numbers
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-from transformers.utils import output_capturing
-from transformers.utils.output_capturing import OutputRecorder
 
-from ._bundle import Bundle, BundleOptions, Installer, Patch
-from ._compat import TRANSFORMERS_VERSION
-from ._errors import BundleError, RoutingMismatchError, UnsupportedTransformersError
-from .adapters.routers import SCORERS, ReplayableRouter, replayable_router_adapter
-
-if TYPE_CHECKING:
-    from .catalog import Family
+from .errors import BundleError, RoutingMismatchError
+from .families import FAMILIES
+from .swaps.replay import ReplayableRouter
 
 __all__ = ["RecordedRouting", "record_routing", "replay_routing", "routing_from_vllm"]
-
-# Capture key: `model.model(..., output_selected_experts=True).selected_experts`, one [T, K] per MoE layer.
-SELECTED_EXPERTS = "selected_experts"
 
 # A routing row of all LIVE (-1) routes that token by the router's own top-k instead (routing_from_vllm's
 # prompt_start: the prompt rows vLLM did not return).
@@ -72,8 +61,6 @@ _VLLM_ZERO_FILL = (
 
 def moe_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every MoE router in `model`, in layer order; stock or replayable."""
-    from .catalog import FAMILIES
-
     stock_names = {family.router for family in FAMILIES if family.router}
     return [
         (name, module)
@@ -634,99 +621,3 @@ def _scatter_to_padded(
         flat[row * seq_len + positions[:start]] = LIVE
         flat[row * seq_len + positions[start : start + rows]] = tensor
     return flat
-
-
-# --- the bundle -------------------------------------------------------------------------------------------
-
-
-def _selected_experts_recorder(family: Family) -> Installer:
-    """Adds `selected_experts` (router output 2) to the family's `_can_record_outputs`, beside its
-    `router_logits` (output 0), and returns the exact undo."""
-
-    def install(options: BundleOptions) -> Any:
-        module = importlib.import_module(family.modeling_module)
-        edited: list[tuple[type, dict, dict]] = []
-        for cls in list(vars(module).values()):
-            if not isinstance(cls, type) or cls.__module__ != module.__name__:
-                continue
-            recorders = cls.__dict__.get("_can_record_outputs")
-            if isinstance(recorders, dict) and _records_the_router(
-                recorders.get("router_logits"), family.router
-            ):
-                replacement = {
-                    **recorders,
-                    SELECTED_EXPERTS: _index_2_recorder(recorders["router_logits"], cls),
-                }
-                cls._can_record_outputs = replacement
-                edited.append((cls, recorders, replacement))
-        router = getattr(module, family.router or "", None)
-        if not edited and isinstance(router, type):
-            # Releases whose model records no 'router_logits' off its router yet (deepseek_v3, glm4_moe, ... before
-            # 5.19; exaone_moe's came off its MoE block; granitemoe's before 5.18): record output 2 of the router
-            # class itself, beside what the model records.
-            for cls in list(vars(module).values()):
-                recorders = cls.__dict__.get("_can_record_outputs") if isinstance(cls, type) else None
-                if isinstance(recorders, dict) and cls.__module__ == module.__name__:
-                    recorder = OutputRecorder(getattr(router, "_layerswap_original", router), index=2)
-                    replacement = {**recorders, SELECTED_EXPERTS: recorder}
-                    cls._can_record_outputs = replacement
-                    edited.append((cls, recorders, replacement))
-        if not edited:
-            raise UnsupportedTransformersError(
-                f"{family.modeling_module} in transformers {TRANSFORMERS_VERSION} has no class recording "
-                "'router_logits', which the '-replay' bundle extends with 'selected_experts'; please report it."
-            )
-
-        def restore() -> None:
-            registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", {})
-            for cls, original, replacement in reversed(edited):
-                cls._can_record_outputs = original
-                # Models built meanwhile registered our dict by class name; point them back at the stock one.
-                for key, value in list(registry.items()):
-                    if value is replacement:
-                        dict.__setitem__(registry, key, original)
-
-        return restore
-
-    return install
-
-
-def _records_the_router(recorder: Any, router_name: str | None) -> bool:
-    target = recorder.target_class if isinstance(recorder, OutputRecorder) else recorder
-    target = getattr(target, "_layerswap_original", target)
-    return isinstance(target, type) and target.__name__ == router_name
-
-
-def _index_2_recorder(router_logits: Any, owner: type) -> OutputRecorder:
-    if isinstance(router_logits, OutputRecorder):
-        target = router_logits.target_class
-        target = getattr(target, "_layerswap_original", target)  # a recorder a load left patched
-        return dataclasses.replace(router_logits, target_class=target, index=2)
-    if isinstance(router_logits, type):
-        return OutputRecorder(getattr(router_logits, "_layerswap_original", router_logits), index=2)
-    raise UnsupportedTransformersError(
-        f"{owner.__qualname__}._can_record_outputs['router_logits'] is {router_logits!r} in transformers "
-        f"{TRANSFORMERS_VERSION}, not an OutputRecorder or class; the '-replay' bundle cannot add "
-        "'selected_experts' beside it. Please report it."
-    )
-
-
-def _replay_bundle(family: Family) -> Bundle | None:
-    """`<model_type>-replay` for every MoE family whose router returns (logits, scores, indices)."""
-    if family.router is None or family.router not in SCORERS:
-        return None
-    return Bundle(
-        name=f"{family.model_type}-replay",
-        purpose="replay",
-        model_types=(family.model_type,),
-        description=(
-            f"{family.router} that can replay recorded expert choices (layerswap.replay_routing, e.g. vLLM "
-            "rollouts via routing_from_vllm) with weights from the live router, so gradients reach it; adds "
-            "output_selected_experts=True to the base model. Composes with the '-quant' bundle."
-        ),
-        patches=(
-            Patch(family.modeling_module, family.router, replayable_router_adapter(SCORERS[family.router])),
-        ),
-        keep_unquantized=family.keep_unquantized,
-        installers=(_selected_experts_recorder(family),),
-    )

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from ._errors import BundleError
+from .errors import BundleError
 
 SHAPES_ENV = "LAYERSWAP_MODEL_SHAPES"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmark_scripts import read_rows, run_script
+from _support.benchmark_scripts import read_rows, run_script
 
 MACHINE_COLUMNS = {"cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers"}
 

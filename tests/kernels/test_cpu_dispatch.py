@@ -14,7 +14,7 @@ import torch
 from layerswap.kernels import Plan, cpu_dispatch, fused_moe, fused_moe_reference
 from layerswap.kernels import _cpu_strategies as strategies
 from layerswap.kernels.cpu_dispatch import CpuInfo
-from layerswap.kernels.reference import resolve_activation
+from layerswap.kernels.torch_moe import resolve_activation
 
 # Against the fp32 reference: stock rounds every intermediate to the weights' dtype, so bf16 (8 mantissa bits)
 # differs by a few units in the last place of outputs of magnitude 1-5; fp16 keeps 11 bits.

@@ -31,8 +31,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import layerswap
-from layerswap.adapters.experts import LinearExperts
-from tiny_models import tiny_input_ids, tiny_model
+from _support.tiny_models import tiny_input_ids, tiny_model
+from layerswap.swaps.quant.modules import LinearExperts
 
 # The families every scheme's table covers, one per layout: shared expert + 1-wide gate (qwen2_moe), w1/w3/w2
 # names (mixtral), per-head q/k norms (qwen3_moe), whole-width q/k norms (olmoe), MLA + group routing (deepseek_v3).

@@ -5,10 +5,10 @@ import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 import layerswap
-from families import MOE_FAMILIES
-from numerics import assert_computed_close
-from tiny_models import tiny_input_ids, tiny_model
-from transformers_support import needs_bundle
+from _support.families import MOE_FAMILIES
+from _support.numerics import assert_computed_close
+from _support.tiny_models import tiny_input_ids, tiny_model
+from _support.transformers_support import needs_bundle
 
 QUANTIZATION = {
     "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
@@ -151,7 +151,7 @@ def test_bundle_quantized_footprint_is_smaller_than_stock(tmp_path):
 def test_a_quantized_bundle_load_trims_the_heap_as_it_quantizes_and_an_unquantized_one_does_not(
     tmp_path, monkeypatch
 ):
-    from layerswap import _load_hooks
+    from layerswap._hf import quantizers as _load_hooks
 
     tiny_model("qwen2_moe").save_pretrained(tmp_path)
     trims = []

@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 from transformers.quantizers import AutoHfQuantizer
 
 import layerswap
-from layerswap._errors import IncompatibleQuantizerError
-from numerics import assert_computed_close
+from _support.numerics import assert_computed_close
+from _support.tiny_models import tiny_config, tiny_input_ids
+from layerswap.errors import IncompatibleQuantizerError
 from quantizers import matrix
-from tiny_models import tiny_config, tiny_input_ids
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "quantizers.md"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ._cpu_strategies import Plan
 from .configs import KernelInputError, TileConfig
 from .cpu_dispatch import CpuInfo, cpu_info, plan_for
-from .fused_moe import fused_moe
-from .reference import fused_moe_reference
+from .dispatch import fused_moe
+from .torch_moe import fused_moe_reference
 
 __all__ = [
     "CpuInfo",

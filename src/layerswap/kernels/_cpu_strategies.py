@@ -23,7 +23,7 @@ from itertools import accumulate
 
 import torch
 
-from . import reference
+from . import torch_moe
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 
@@ -64,11 +64,11 @@ class Plan:
 def _grouped_or_loop(rows: torch.Tensor, weights_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """torch's grouped GEMM (what stock grouped_mm calls), or its per-group loop where torch has none."""
     # Stock's condition: torch <= 2.10's CPU kernel needs 16-byte aligned operands (mmapped checkpoints may not be).
-    aligned = reference._TORCH_VERSION > (2, 10) or (
+    aligned = torch_moe._TORCH_VERSION > (2, 10) or (
         rows.data_ptr() % 16 == 0 and weights_t.data_ptr() % 16 == 0
     )
-    if reference._CPU_GROUPED_MM and aligned:
-        return reference._GROUPED_MM(rows, weights_t, offs=offsets)
+    if torch_moe._CPU_GROUPED_MM and aligned:
+        return torch_moe._GROUPED_MM(rows, weights_t, offs=offsets)
     out = rows.new_empty(rows.shape[0], weights_t.shape[-1])
     start = 0
     for expert, end in enumerate(offsets.tolist()):
@@ -118,7 +118,7 @@ def layerswap(
     act: Act,
     plan: Plan,
 ) -> torch.Tensor:
-    return reference.fused_moe_reference(
+    return torch_moe.fused_moe_reference(
         hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=act
     )
 
@@ -137,12 +137,12 @@ def upcast_weight_major_mm(
     step = _block_rows(columns, block_bytes)
     if step >= rows:
         converted = scratch[: weight.numel()].view(rows, columns).copy_(weight)
-        return reference._weight_major_mm(converted, inputs32, False)
+        return torch_moe._weight_major_mm(converted, inputs32, False)
     out = inputs32.new_empty(rows, inputs32.shape[0])
     for start in range(0, rows, step):
         block = weight[start : start + step]
         converted = scratch[: block.numel()].view(block.shape).copy_(block)
-        out[start : start + step] = reference._weight_major_mm(converted, inputs32, False)
+        out[start : start + step] = torch_moe._weight_major_mm(converted, inputs32, False)
     return out
 
 

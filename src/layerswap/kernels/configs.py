@@ -1,23 +1,23 @@
 """What the fused-MoE kernels are configured by, below every backend: the input error they raise, the activation
 codes the Triton kernels switch on, and the Triton tile configs per token-count bucket. It imports only the
-activation names and the error base, so the dispatcher (`fused_moe`) and the Triton kernels (`_triton_fused_moe`)
-both import it and neither imports the other.
+activation names, so the dispatcher (`dispatch`) and the Triton kernels (`triton_moe`) both import it and neither
+imports the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._errors import BundleError
-from .reference import ACTIVATIONS
+from .torch_moe import ACTIVATIONS
 
-# Integer codes the Triton kernels switch on (a constexpr), one per name in reference.ACTIVATIONS.
+# Integer codes the Triton kernels switch on (a constexpr), one per name in torch_moe.ACTIVATIONS.
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "relu": 3}
 assert set(ACTIVATION_CODES) == set(ACTIVATIONS)
 
 
-class KernelInputError(BundleError, ValueError):
-    """Tensors, activation or backend that the fused-MoE kernels cannot take."""
+class KernelInputError(ValueError):
+    """Tensors, activation or backend that the fused-MoE kernels cannot take. The kernels import nothing of
+    layerswap above them, so this is a ValueError of their own, not a BundleError."""
 
 
 def activation_code(activation: str) -> int:

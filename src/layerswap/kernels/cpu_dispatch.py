@@ -48,7 +48,7 @@ import torch
 
 from . import _cpu_strategies as strategies
 from ._cpu_strategies import STRATEGIES, Plan
-from .reference import Activation, fused_moe_reference, resolve_activation
+from .torch_moe import Activation, fused_moe_reference, resolve_activation
 
 logger = logging.getLogger(__name__)
 

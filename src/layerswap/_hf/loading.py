@@ -1,0 +1,210 @@
+"""The load guard around `PreTrainedModel._finalize_model_loading`, which would give swapped-in modules whose
+weights the checkpoint lacks a random init.
+
+Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError, missing
+weights MissingExpertWeightsError (WeightConversionError when the quantizer failed on weights the checkpoint has).
+After: a warning when a bundle swapped nothing, and after a quantized load, the quantized swapped-in layers keep
+saving as they are and the heap is trimmed.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+from torch import nn
+
+from ..errors import CheckpointShapeError, LayerswapWarning, MissingExpertWeightsError, WeightConversionError
+from . import quantizers
+from .active import enabled_records, swapped_modules
+
+# How a conversion op's CheckpointShapeError reads in transformers' record of it (a traceback's last line).
+_SHAPE_ERROR = f"{CheckpointShapeError.__module__}.{CheckpointShapeError.__qualname__}: "
+
+
+def make_guarded_finalize(original: staticmethod) -> staticmethod:
+    finalize = original.__func__
+
+    def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
+        swapped = swapped_modules(model)  # one walk of the module tree for every check below
+        _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
+        if not _loads_no_weights_at_all(model, load_config, loading_info):
+            _raise_on_missing_swapped_weights(swapped, load_config, loading_info)
+        result = finalize(model, load_config, loading_info)
+        _warn_on_bundles_that_swapped_nothing(model, swapped)
+        if getattr(load_config, "hf_quantizer", None) is not None and swapped:
+            _save_quantized_layers_as_loaded(model, swapped)
+            quantizers.trim_heap()  # looked up here, so tests can count the calls
+        return result
+
+    return staticmethod(_finalize_model_loading)
+
+
+def _save_quantized_layers_as_loaded(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
+    """Quantized weights cannot be re-laid-out on save: bitsandbytes' packed 4-bit weights come with per-layer quant
+    states, int8 ones with per-row scales. They can be neither stacked (experts into granitemoe's fused
+    `[E, 2I, H]`) nor split (a fused `qkv_proj` into q/k/v). So a quantized model saves the layers layerswap swapped
+    in as they are (experts one by one, one `qkv_proj`), and the same bundle loads them back. Stock transformers
+    loads quantized experts in no layout at all."""
+    kept_as_loaded: set[type] = set()
+    for _, module in swapped:
+        # A swapped module that re-lays its weights out on save names the conversions to skip once quantized.
+        kept = getattr(module, "_layerswap_conversions_kept_when_quantized", None)
+        if kept is not None:
+            kept_as_loaded.update(kept())
+    conversions = getattr(model, "_weight_conversions", None)
+    if kept_as_loaded and conversions:
+        model._weight_conversions = [c for c in conversions if type(c) not in kept_as_loaded]
+
+
+def _raise_on_wrong_shaped_swapped_weights(
+    swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
+) -> None:
+    """A checkpoint tensor of a swapped module with another shape is named, with both shapes, in the exception
+    (transformers names it only in its logged load report): one transformers recorded as mismatched, or one that a
+    '-fast' bundle's checked per-expert merge refused (stock would report the stacked weight as missing)."""
+    prefixes = tuple(name + "." for name, _ in swapped)
+    if not prefixes:
+        return
+    source = getattr(load_config, "pretrained_model_name_or_path", None) or "the checkpoint"
+    errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
+    for key, text in sorted(errors.items()):
+        _, error = _summarize_conversion_error(text)
+        if key.startswith(prefixes) and error.startswith(_SHAPE_ERROR):
+            raise CheckpointShapeError(
+                f"{source} has weights of modules layerswap swapped in with the wrong shape: "
+                f"{error.split(': ', 1)[-1]}. The checkpoint is of another configuration of this model (or "
+                "damaged); load it with its own config.json."
+            )
+    if getattr(load_config, "ignore_mismatched_sizes", False):
+        return
+    mismatched = sorted(
+        (key, tuple(found), tuple(expected))
+        for key, found, expected in getattr(loading_info, "mismatched_keys", ())
+        if key.startswith(prefixes)
+    )
+    if mismatched:
+        shown = "; ".join(
+            f"{key}: {found} in the checkpoint, {expected} in the model"
+            for key, found, expected in mismatched[:6]
+        )
+        more = f"; and {len(mismatched) - 6} more" if len(mismatched) > 6 else ""
+        raise CheckpointShapeError(
+            f"{source} has {len(mismatched)} weight(s) of modules layerswap swapped in with another shape than "
+            f"the model: {shown}{more}. The checkpoint is of another configuration of this model: load it with "
+            "its own config.json, or pass ignore_mismatched_sizes=True to from_pretrained to initialise those "
+            "weights randomly on purpose."
+        )
+
+
+def _loads_no_weights_at_all(model: nn.Module, load_config: Any, loading_info: Any) -> bool:
+    """`from_pretrained(None, config=..., state_dict={})`, transformers' way to build a model and initialise every
+    weight, is no checkpoint lacking some: no source, nothing unexpected, every parameter missing."""
+    if (
+        getattr(load_config, "pretrained_model_name_or_path", None) is not None
+        or loading_info.unexpected_keys
+    ):
+        return False
+    return all(name in loading_info.missing_keys for name, _ in model.named_parameters())
+
+
+def _raise_on_missing_swapped_weights(
+    swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
+) -> None:
+    prefixes = [name + "." for name, module in swapped if getattr(module, "_layerswap_strict", False)]
+    if not prefixes:
+        return
+    missing = sorted(k for k in loading_info.missing_keys if any(k.startswith(p) for p in prefixes))
+    if not missing:
+        return
+    shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+    source = getattr(load_config, "pretrained_model_name_or_path", "the checkpoint")
+    conversion_note = _raise_on_failed_quantization(prefixes, missing, source, load_config, loading_info)
+    if any(".experts." in key for key in missing):
+        layouts = "per-expert keys like 'mlp.experts.0.gate_proj.weight' or fused 'mlp.experts.gate_up_proj'"
+    else:
+        layouts = "separate 'self_attn.q_proj/k_proj/v_proj' or fused 'self_attn.qkv_proj' weights"
+    raise MissingExpertWeightsError(
+        f"{source} lacks {len(missing)} weight(s) of modules that layerswap swapped in: {shown}. Loading "
+        "would leave them randomly initialised. Check that the checkpoint is complete and of this model "
+        f"family ({layouts}); to start from random weights on purpose, use from_config instead of from_pretrained."
+        f"{conversion_note}"
+    )
+
+
+def _raise_on_failed_quantization(
+    prefixes: list[str], missing: list[str], source: str, load_config: Any, loading_info: Any
+) -> str:
+    """Missing weights may be weights the checkpoint has: when an op raises on a group of weights, transformers
+    records the op's error in `loading_info.conversion_errors` (keyed by the group's first target weight) and
+    skips the whole group, which then counts as missing. When the quantizer's op failed, raise its error (the
+    checkpoint is complete). Any other op's error (layerswap's conversions raise on weights the checkpoint lacks)
+    is returned as a note for the missing-weights error."""
+    errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
+    failed = {key: text for key, text in errors.items() if any(key.startswith(p) for p in prefixes)}
+    if not failed:
+        return ""
+    first_key, first_text = min(failed.items())
+    op_name, error = _summarize_conversion_error(first_text)
+    quantizer = getattr(load_config, "hf_quantizer", None)
+    if quantizer is None or op_name is None or op_name != _quantize_op_name(quantizer):
+        return f" While loading, {op_name or 'a conversion op'} on {first_key} raised {error}."
+    failed_prefixes = [p for p in prefixes if any(key.startswith(p) for key in failed)]
+    explained = [key for key in missing if any(key.startswith(p) for p in failed_prefixes)]
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    method = getattr(method, "value", method) or type(quantizer).__name__
+    raise WeightConversionError(
+        f"{source} has the weights of the modules layerswap swapped in (the checkpoint is complete), but the "
+        f"{method} quantizer failed on them while loading: {op_name} on {first_key} raised {error}. transformers "
+        f"skipped every weight its quantize op failed on, so {len(explained)} weight(s) of modules layerswap "
+        f"swapped in would be left randomly initialised ({len(failed)} failed op call(s) under them, {len(errors)} "
+        "in the whole load). Stock transformers fails the same load ('issues during automatic conversion of the "
+        f"weights'). Fix what the quantizer reports (a {method} configuration its kernels support on this device, "
+        "or the package it asks for), or load without quantization_config."
+    )
+
+
+def _summarize_conversion_error(text: str) -> tuple[str | None, str]:
+    """(op class name, 'ExceptionType: message') from a `conversion_errors` entry, which transformers writes as
+    the formatted traceback, then the message, then 'Error: <Op> on tensors destined for ...' (5.x)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    op_name = None
+    for line in reversed(lines):
+        match = re.match(r"Error(?: via)?:? (\w+)", line)
+        if match:
+            op_name = match.group(1)
+            break
+    exception = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Warning|Exit): ", line)]
+    if exception:
+        return op_name, exception[-1].strip()
+    plain = [line for line in lines if not line.startswith((" ", "Traceback", "Error"))]
+    return op_name, (plain[-1].strip() if plain else lines[-1].strip() if lines else "an unknown error")
+
+
+def _quantize_op_name(quantizer: Any) -> str | None:
+    try:
+        return type(quantizer.get_quantize_ops()).__name__
+    except Exception:  # a quantizer without quantize ops, or one that cannot build them here
+        return None
+
+
+def _warn_on_bundles_that_swapped_nothing(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
+    """Warn when no enabled bundle swapped anything (the wrong family was loaded), or when a bundle made for this
+    model's type swapped nothing (its classes are not the ones this model uses)."""
+    swapped_classes = {type(m) for _, m in swapped}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    records = [(record.bundle, record.replacements) for record in enabled_records() if record.replacements]
+    idle = [bundle for bundle, replacements in records if not swapped_classes & replacements]
+    if not records or not idle:
+        return
+    nothing_swapped = len(idle) == len(records)
+    for bundle in idle:
+        if nothing_swapped or model_type in bundle.model_types:
+            warnings.warn(
+                f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
+                f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
+                "model's family (`layerswap list`), or disable this one.",
+                LayerswapWarning,
+                stacklevel=4,
+            )

@@ -1,1 +1,0 @@
-"""Replacement nn.Modules, generic across model families."""

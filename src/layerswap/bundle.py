@@ -1,0 +1,121 @@
+"""The bundle data model, as frozen data: a model family, what a bundle swaps, converts and keeps unquantized,
+and what an enabled bundle registered. Everything above imports this; it imports only the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from torch import nn
+from transformers.core_model_loading import WeightTransform
+
+from .errors import BundleError
+
+# Builds the replacement class from the transformers class it replaces and the bundle's options.
+AdapterFactory = Callable[[type[nn.Module], "BundleOptions"], type[nn.Module]]
+# Changes some other transformers state (a class attribute, an interface entry) and returns the function that
+# puts back exactly what it changed. Runs on enable; the returned function runs on disable.
+Installer = Callable[["BundleOptions"], Callable[[], None]]
+# Rewrites a model type's checkpoint conversion list (stock, or as earlier bundles left it) for this bundle.
+ConversionEdit = Callable[[list[WeightTransform], "BundleOptions"], list[WeightTransform]]
+
+
+@dataclass(frozen=True)
+class BundleOptions:
+    """Options every bundle accepts.
+
+    keep_unquantized: module-name suffixes that quantizers must leave in full precision. ``None`` means the
+    bundle's default (routers and 1-wide gates); ``()`` quantizes everything the quantizer can.
+    """
+
+    keep_unquantized: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_unquantized is not None:
+            if isinstance(self.keep_unquantized, str) or not all(
+                isinstance(s, str) and s for s in self.keep_unquantized
+            ):
+                raise TypeError(
+                    f"keep_unquantized must be a tuple of module-name suffixes such as ('mlp.gate',), "
+                    f"got {self.keep_unquantized!r}"
+                )
+            object.__setattr__(self, "keep_unquantized", tuple(self.keep_unquantized))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace the transformers class `class_name` (defined in `module`) by `adapter(original, options)`."""
+
+    module: str
+    class_name: str
+    adapter: AdapterFactory
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A named set of module swaps and checkpoint conversions for one or more transformers model types."""
+
+    name: str
+    purpose: str
+    model_types: tuple[str, ...]
+    description: str
+    patches: tuple[Patch, ...] = ()
+    conversions: Mapping[str, ConversionEdit] = field(default_factory=dict)
+    keep_unquantized: tuple[str, ...] = ()
+    installers: tuple[Installer, ...] = ()
+    # Kinds of transformers internal the bundle needs beyond what every bundle needs (keys of _hf.compat.KINDS):
+    # enable_bundle refuses it, and `layerswap list` marks it, where the installed transformers lacks one.
+    needs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "conversions", MappingProxyType(dict(self.conversions)))
+
+    def make_options(self, options: dict[str, Any]) -> BundleOptions:
+        unknown = sorted(set(options) - set(BundleOptions.field_names()))
+        if unknown:
+            raise BundleError(
+                f"Bundle {self.name!r} got unknown option(s) {unknown}; it accepts "
+                f"{list(BundleOptions.field_names())}."
+            )
+        try:
+            return BundleOptions(**options)
+        except (TypeError, ValueError) as error:
+            raise BundleError(f"Bundle {self.name!r}: invalid options {options}: {error}") from error
+
+
+@dataclass(frozen=True)
+class EnabledRecord:
+    """An enabled bundle as the registry tells the loading hooks: its options and the classes it registered."""
+
+    bundle: Bundle
+    options: BundleOptions
+    replacements: frozenset[type[nn.Module]]
+
+
+# Routers and 1-wide gates (e.g. qwen2_moe's shared_expert_gate, an nn.Linear(H, 1)) stay in full precision by
+# default, as llm-compressor does: they are tiny, routing is sensitive to them, and bitsandbytes' CPU kernels
+# reject 1-wide outputs. Suffixes of module names; override with enable_bundle(..., keep_unquantized=(...)).
+DEFAULT_KEEP_UNQUANTIZED = ("gate", "router", "shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers model type and the names of the classes layerswap replaces in it."""
+
+    model_type: str
+    experts: str | None = None  # Experts class with the stock fused layout; None for dense families
+    router: str | None = None  # MoE router class
+    attention: str | None = None  # attention class with separate q_proj / k_proj / v_proj
+    module: str | None = None  # defaults to transformers.models.<model_type>.modeling_<model_type>
+    keep_unquantized: tuple[str, ...] = DEFAULT_KEEP_UNQUANTIZED
+
+    @property
+    def modeling_module(self) -> str:
+        return self.module or f"transformers.models.{self.model_type}.modeling_{self.model_type}"

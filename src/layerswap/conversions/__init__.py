@@ -1,1 +1,0 @@
-"""Checkpoint conversions (WeightConverter / ConversionOps), each with an exact reverse."""

@@ -1,0 +1,60 @@
+"""'<model_type>-fast': the family's Experts computed by a fused-MoE kernel (Triton on CUDA, the fast PyTorch
+path elsewhere) with the stock weights and checkpoints, plus fused-QKV attention where the family has a
+'-fused_qkv' swap."""
+
+from __future__ import annotations
+
+from transformers.core_model_loading import WeightTransform
+
+from ..._hf.parallel import refuse_tensor_parallelism
+from ...bundle import Bundle, BundleOptions, Family, Patch
+from .. import fused_qkv
+from .conversion import shape_checked_expert_merges
+from .modules import (
+    BACKEND_NAME,
+    FusedExpertsForwardMixin,
+    fused_experts_adapter,
+    fused_experts_forward,
+    register_experts_backend,
+    unregister_experts_backend,
+)
+
+__all__ = [
+    "BACKEND_NAME",
+    "FusedExpertsForwardMixin",
+    "build",
+    "fused_experts_adapter",
+    "fused_experts_forward",
+    "register_experts_backend",
+    "unregister_experts_backend",
+]
+
+
+def _fast_conversions(stock: list[WeightTransform], options: BundleOptions) -> list[WeightTransform]:
+    return fused_qkv.fused_qkv_conversions(shape_checked_expert_merges(stock, options), options)
+
+
+def build(family: Family) -> Bundle | None:
+    if family.experts is None:
+        return None
+    patches = [Patch(family.modeling_module, family.experts, fused_experts_adapter)]
+    conversions = {family.model_type: shape_checked_expert_merges}
+    fused_attention = fused_qkv.serves(family)
+    if fused_attention:
+        patches.append(Patch(family.modeling_module, family.attention, fused_qkv.fused_qkv_adapter))
+        conversions[family.model_type] = _fast_conversions
+    return Bundle(
+        name=f"{family.model_type}-fast",
+        purpose="fast",
+        model_types=(family.model_type,),
+        description=(
+            f"{family.experts} computed by a fused-MoE kernel (Triton on CUDA, a sorted grouped PyTorch path "
+            "elsewhere), stock weights and checkpoints"
+            + (f", plus {family.attention} with one fused qkv_proj." if fused_attention else ".")
+        ),
+        patches=tuple(patches),
+        conversions=conversions,
+        installers=(refuse_tensor_parallelism,) if fused_attention else (),
+        needs=("fused_qkv",) if fused_attention else (),
+        keep_unquantized=family.keep_unquantized,
+    )

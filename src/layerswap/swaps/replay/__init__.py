@@ -1,0 +1,47 @@
+"""'<model_type>-replay': the family's MoE router, able to replay recorded expert choices (`layerswap.replay_routing`,
+e.g. vLLM rollouts via `routing_from_vllm`) with weights from the live router, so gradients reach it; the base
+model gains `output_selected_experts=True`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..._hf.recorders import add_router_output_recorder
+from ...bundle import Bundle, BundleOptions, Family, Installer, Patch
+from .modules import SCORERS, ReplayableRouter, replayable_router_adapter
+
+__all__ = ["SCORERS", "SELECTED_EXPERTS", "ReplayableRouter", "build", "replayable_router_adapter"]
+
+# Capture key: `model.model(..., output_selected_experts=True).selected_experts`, one [T, K] per MoE layer.
+SELECTED_EXPERTS = "selected_experts"
+
+
+def _selected_experts_recorder(family: Family) -> Installer:
+    """Adds `selected_experts` (router output 2) to the family's recorded outputs, beside its `router_logits`."""
+
+    def install(options: BundleOptions) -> Callable[[], None]:
+        return add_router_output_recorder(family.modeling_module, family.router, SELECTED_EXPERTS)
+
+    return install
+
+
+def build(family: Family) -> Bundle | None:
+    """`<model_type>-replay` for every MoE family whose router returns (logits, scores, indices)."""
+    if family.router is None or family.router not in SCORERS:
+        return None
+    return Bundle(
+        name=f"{family.model_type}-replay",
+        purpose="replay",
+        model_types=(family.model_type,),
+        description=(
+            f"{family.router} that can replay recorded expert choices (layerswap.replay_routing, e.g. vLLM "
+            "rollouts via routing_from_vllm) with weights from the live router, so gradients reach it; adds "
+            "output_selected_experts=True to the base model. Composes with the '-quant' bundle."
+        ),
+        patches=(
+            Patch(family.modeling_module, family.router, replayable_router_adapter(SCORERS[family.router])),
+        ),
+        keep_unquantized=family.keep_unquantized,
+        installers=(_selected_experts_recorder(family),),
+        needs=("replay",),
+    )

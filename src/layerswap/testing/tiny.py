@@ -1,0 +1,113 @@
+"""Tiny random configs for every family in the catalog (the demo's and the tests'), built locally.
+
+Dimensions respect bitsandbytes' CPU 4-bit kernels: every quantized linear has out_features % 32 == 0 and
+in_features >= 64 (hidden 64, intermediate 64/128, head_dim 16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoConfig, PretrainedConfig
+
+VOCAB = 128
+
+# Attributes that shrink a config, set only where the family's config has them.
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+# Per-family settings on top of _COMMON, each with the reason it is needed.
+_FAMILY: dict[str, dict[str, Any]] = {
+    # MLA attention: small ranks, as many kv heads as heads; every layer MoE so both layers have experts.
+    "deepseek_v2": {
+        "num_key_value_heads": 4,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "deepseek_v3": {
+        "num_key_value_heads": 4,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+    },
+    "glm4_moe": {"first_k_dense_replace": 0, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    "glm4_moe_lite": {
+        "num_key_value_heads": 4,
+        "first_k_dense_replace": 0,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+    },
+    "dots1": {"first_k_dense_replace": 0, "n_shared_experts": 1, "n_group": 1, "topk_group": 1},
+    # Hybrid linear-attention stacks: two layers must include one full-attention layer (the cache needs one).
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+    },
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    # Defaults put pad/bos/eos ids beyond the tiny vocabulary.
+    "flex_olmo": {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3},
+    "kimi_linear": {
+        "num_key_value_heads": 4,
+        "pad_token_id": 1,
+        "bos_token_id": 2,
+        "eos_token_id": 3,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["sparse", "sparse"],
+    },
+    "bailing_hybrid": {
+        "num_key_value_heads": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "pad_token_id": 1,
+        "bos_token_id": 2,
+        "eos_token_id": 3,
+        "layer_types": ["linear_attention", "full_attention"],
+        "mlp_layer_types": ["sparse", "sparse"],
+    },
+}
+
+
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    defaults = AutoConfig.for_model(model_type)
+    settings = {k: v for k, v in _COMMON.items() if hasattr(defaults, k)}
+    settings.update(_FAMILY.get(model_type, {}))
+    settings.update(overrides)
+    settings["attn_implementation"] = "eager"
+    return AutoConfig.for_model(model_type, **settings)

@@ -1,0 +1,57 @@
+"""The -fast bundles for every MoE family: stock outputs, stock checkpoints both ways, composition rules."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import layerswap
+from _support.checkpoints import assert_state_dicts_identical
+from _support.families import MOE_FAMILIES
+from _support.tiny_models import tiny_input_ids, tiny_model
+from layerswap.errors import BundleConflictError
+from layerswap.swaps.fast.modules import FusedExpertsForwardMixin
+from layerswap.swaps.fused_qkv.modules import FusedQKVAttention
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.model_type)
+def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path):
+    stock = tiny_model(family.model_type)
+    stock.save_pretrained(tmp_path / "stock")
+    with torch.no_grad():
+        expected = stock(tiny_input_ids()).logits
+    with layerswap.use_bundle(f"{family.model_type}-fast"):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            tmp_path / "stock", output_loading_info=True, attn_implementation="eager"
+        )
+        model.save_pretrained(tmp_path / "saved")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert any(isinstance(m, FusedExpertsForwardMixin) for m in model.modules())
+    if family.attention is not None:
+        assert any(isinstance(m, FusedQKVAttention) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_state_dicts_identical(stock, reloaded)
+
+
+def test_fast_and_quant_replace_the_experts_differently_and_conflict():
+    layerswap.enable_bundle("qwen2_moe-quant")
+    with pytest.raises(BundleConflictError, match="Qwen2MoeExperts"):
+        layerswap.enable_bundle("qwen2_moe-fast")
+    layerswap.disable_bundle("qwen2_moe-quant")
+
+
+def test_fast_composes_with_fused_qkv(tmp_path):
+    stock = tiny_model("qwen3_moe")
+    stock.save_pretrained(tmp_path / "stock")
+    with layerswap.use_bundle("qwen3_moe-fused_qkv", "qwen3_moe-fast"):
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", output_loading_info=True)
+        model.save_pretrained(tmp_path / "saved")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tiny_input_ids()).logits, stock(tiny_input_ids()).logits, atol=1e-5, rtol=1e-5
+        )
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert_state_dicts_identical(stock, reloaded)

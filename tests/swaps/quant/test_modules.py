@@ -1,0 +1,117 @@
+"""LinearExperts against the stock Experts module it replaces, for every family in the table."""
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+from _support.families import MOE_FAMILIES
+from _support.tiny_models import tiny_config
+from layerswap._hf import compat as _compat
+from layerswap._hf.experts import STOCK_LAYOUT_FLAGS
+from layerswap.bundle import BundleOptions
+from layerswap.errors import UnsupportedTransformersError
+from layerswap.swaps.quant.modules import LinearExperts, linear_experts_adapter
+
+
+def _stock_and_linear(family):
+    module = importlib.import_module(family.modeling_module)
+    stock_cls = getattr(module, family.experts)
+    config = tiny_config(family.model_type)
+    torch.manual_seed(0)
+    stock = stock_cls(config)
+    for parameter in stock.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    linear = linear_experts_adapter(family.model_type)(stock_cls, BundleOptions())(config)
+    names = linear.expert_names
+    with torch.no_grad():
+        for index, expert in enumerate(linear):
+            gate, up = stock.gate_up_proj[index].chunk(2, dim=0)
+            getattr(expert, names.gate).weight.copy_(gate)
+            getattr(expert, names.up).weight.copy_(up)
+            getattr(expert, names.down).weight.copy_(stock.down_proj[index])
+    return stock, linear, config
+
+
+def _routing(tokens, num_experts, top_k, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1)
+    return index, weights
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.model_type)
+def test_linear_experts_match_stock_experts(family):
+    stock, linear, _ = _stock_and_linear(family)
+    hidden = torch.randn(11, linear.hidden_dim)
+    index, weights = _routing(11, linear.num_experts, 2)
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES[:3], ids=lambda f: f.model_type)
+def test_every_projection_is_an_exact_nn_linear(family):
+    # bitsandbytes only replaces modules whose type is exactly nn.Linear; a subclass would stay unquantized.
+    _, linear, _ = _stock_and_linear(family)
+    projections = [
+        m for expert in linear for m in expert.children() if not isinstance(m, type(expert.act_fn))
+    ]
+    assert len(projections) == 3 * linear.num_experts
+    assert all(type(m) is nn.Linear and m.bias is None for m in projections)
+    assert isinstance(linear, nn.ModuleList)
+
+
+def test_linear_experts_do_not_subclass_the_stock_class():
+    # _init_weights checks isinstance(module, <stock Experts>) and then initialises gate_up_proj.
+    family = MOE_FAMILIES[0]
+    stock, linear, _ = _stock_and_linear(family)
+    assert not isinstance(linear, type(stock))
+
+
+def test_expert_parallel_sentinel_index_is_skipped():
+    # Index E marks "expert not on this rank" under expert parallelism; stock skips it, so must we.
+    stock, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    if not hasattr(stock, "_is_expert_parallel"):
+        pytest.skip(
+            f"stock experts in transformers {_compat.TRANSFORMERS_VERSION} have no expert-parallel sentinel "
+            f"(_is_expert_parallel, from {STOCK_LAYOUT_FLAGS['_is_expert_parallel'][1]})"
+        )
+    hidden = torch.randn(5, linear.hidden_dim)
+    index, weights = _routing(5, linear.num_experts, 2)
+    index[0, 0] = linear.num_experts
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_experts_without_tokens_and_gradients_flow():
+    stock, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    hidden = torch.randn(4, linear.hidden_dim, requires_grad=True)
+    index = torch.zeros(4, 2, dtype=torch.long)  # every token to experts 0 and 1, the rest get none
+    index[:, 1] = 1
+    weights = torch.full((4, 2), 0.5)
+    out = linear(hidden, index, weights)
+    torch.testing.assert_close(out, stock(hidden, index, weights), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    gate = linear.expert_names.gate
+    assert getattr(linear[0], gate).weight.grad is not None
+    assert getattr(linear[2], gate).weight.grad is None
+
+
+def test_layout_other_than_group_a_is_refused_with_the_class_name():
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = AutoConfig.for_model("gpt_oss", hidden_size=64, intermediate_size=64, num_local_experts=4)
+    adapter = linear_experts_adapter("gpt_oss")(GptOssExperts, BundleOptions())
+    with pytest.raises(UnsupportedTransformersError, match="GptOssExperts"):
+        adapter(config)
+
+
+def test_class_name_says_what_it_replaces():
+    _, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    assert type(linear).__name__ == "LinearQwen2MoeExperts"
+    assert type(linear)._layerswap_original.__name__ == "Qwen2MoeExperts"
+    assert isinstance(linear, LinearExperts)

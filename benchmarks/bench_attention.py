@@ -39,12 +39,13 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from layerswap.bundle import BundleOptions  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
 from layerswap.swaps.fused_qkv.modules import FusedQKVAttention, fused_qkv_adapter  # noqa: E402
+from machine import KERNEL_FIELDS  # noqa: E402
 
 SHAPES = ("meta-llama/Llama-3.2-1B", "Qwen/Qwen3-30B-A3B")
 TOKENS = (1, 4, 16, 64, 512)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ATTENTION_CLASS = {"llama": "LlamaAttention", "qwen3_moe": "Qwen3MoeAttention"}
-CSV_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
+CSV_FIELDS = KERNEL_FIELDS
 
 
 @dataclass

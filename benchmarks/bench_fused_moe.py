@@ -49,23 +49,14 @@ import layerswap  # noqa: E402
 from layerswap.kernels import plan_for  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
 from layerswap.swaps.fast.modules import fused_experts_forward  # noqa: E402
-from machine import MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
+from machine import KERNEL_FIELDS, MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
 
 SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 STOCK = ("eager", "grouped_mm", "batched_mm")
 PROVIDERS = (*STOCK, "layerswap", "quant")
 FORCED = {"ls-stock": "stock", "ls-layerswap": "layerswap", "ls-upcast": "upcast"}  # on request only
 CSV_FIELDS = (
-    "kernel",
-    "provider",
-    "shape",
-    "dtype",
-    "T",
-    "metric",
-    "median",
-    "p20",
-    "p80",
-    "device",
+    *KERNEL_FIELDS,
     "plan",
     *MACHINE_FIELDS,
 )

@@ -24,8 +24,10 @@ except ImportError:  # a checkout without `pip install -e .`
 
 from layerswap.kernels import cpu_info
 
-# The columns every results CSV starts with (bench_fused_moe.py names its token column "T" and adds "plan").
-RESULT_FIELDS = ("kernel", "provider", "shape", "dtype", "tokens", "metric", "median", "p20", "p80", "device")
+# The columns every kernel benchmark's CSV starts with (bench_fused_moe.py adds "plan" and the machine columns).
+KERNEL_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
+# The same columns in the combined results (run.py, bench_model.py), whose token column is named "tokens".
+RESULT_FIELDS = tuple("tokens" if field == "T" else field for field in KERNEL_FIELDS)
 MACHINE_FIELDS = ("cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers")
 # The flags that decide which CPU kernels are fast, in the order they are reported.
 KEY_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")

@@ -273,7 +273,7 @@ def test_class_swap_is_the_one_transformers_apply_patches_makes_and_is_undone():
     import transformers.models.llama.modeling_llama
     import transformers.models.olmoe.modeling_olmoe  # noqa: F401
 
-    from layerswap._hf import patching as _load_hooks
+    from layerswap._hf import patching
 
     # transformers 5.15-5.20 alias old module paths with modules whose dir() imports their target (an image
     # processor needing torchvision, say), and its own apply_patches lists every module with dir().
@@ -297,7 +297,7 @@ def test_class_swap_is_the_one_transformers_apply_patches_makes_and_is_undone():
         with _enabled(*bundles):
             with monkey_patching.apply_patches():
                 stock = _transformers_class_bindings()
-            with _load_hooks._swap_classes():
+            with patching._swap_classes():
                 ours = _transformers_class_bindings()
             assert _transformers_class_bindings() == before
     finally:

@@ -15,7 +15,7 @@ from transformers import conversion_mapping
 import layerswap
 from layerswap import cli
 from layerswap._hf import compat as _compat
-from layerswap._hf import patching as _load_hooks
+from layerswap._hf import patching
 from layerswap.errors import UnsupportedTransformersError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,5 +169,5 @@ def test_the_class_swap_never_imports_a_lazy_module(monkeypatch):
     alias = types.ModuleType("transformers.models.fake.image_processing_fake_fast")
     alias.__getattr__ = _import_on_access
     monkeypatch.setitem(sys.modules, alias.__name__, alias)
-    with layerswap.use_bundle("qwen2_moe-quant"), _load_hooks._swap_classes():
+    with layerswap.use_bundle("qwen2_moe-quant"), patching._swap_classes():
         pass

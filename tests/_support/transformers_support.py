@@ -1,4 +1,4 @@
-"""Skip marks for tests of bundles that the installed transformers is too old for, with layerswap._compat's own
+"""Skip marks for tests of bundles that the installed transformers is too old for, with layerswap._hf.compat's own
 reason (the one enable_bundle raises), so a run on the oldest supported release says what it did not test."""
 
 import dataclasses

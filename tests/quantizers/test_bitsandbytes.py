@@ -151,17 +151,17 @@ def test_bundle_quantized_footprint_is_smaller_than_stock(tmp_path):
 def test_a_quantized_bundle_load_trims_the_heap_as_it_quantizes_and_an_unquantized_one_does_not(
     tmp_path, monkeypatch
 ):
-    from layerswap._hf import quantizers as _load_hooks
+    from layerswap._hf import quantizers
 
     tiny_model("qwen2_moe").save_pretrained(tmp_path)
     trims = []
-    monkeypatch.setattr(_load_hooks, "trim_heap", lambda: trims.append(True))
+    monkeypatch.setattr(quantizers, "trim_heap", lambda: trims.append(True))
     with layerswap.use_bundle("qwen2_moe-quant"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
         assert trims == []
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
         assert trims == [True]  # the tiny model is far below TRIM_EVERY_BYTES: only the trim at the end
-        monkeypatch.setattr(_load_hooks, "TRIM_EVERY_BYTES", 1)
+        monkeypatch.setattr(quantizers, "TRIM_EVERY_BYTES", 1)
         model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization_config("nf4"))
     quantized = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
     assert len(trims) == 1 + quantized + 1

@@ -44,7 +44,7 @@ same checkpoint as one `nn.Linear` per expert projection, so the quantizer conve
 gates stay in full precision (`keep_unquantized`).
 
 How each row is measured: a tiny random checkpoint of the family (2 layers, 8 experts, hidden size 64; see
-tests/tiny_models.py) is saved in the stock layout and loaded with
+tests/_support/tiny_models.py) is saved in the stock layout and loaded with
 `AutoModelForCausalLM.from_pretrained(path, quantization_config=...)`, once stock and once inside
 `layerswap.use_bundle("<family>-quant")`.
 

@@ -68,7 +68,7 @@ _MU, _MP, _CM, _CML = (
 _HFQ, _MOE = "transformers.quantizers.base", "transformers.integrations.moe"
 
 INTERNALS: tuple[Internal, ...] = (
-    # class swapping (_registry, _load_hooks)
+    # class swapping (registry, _hf.patching)
     Internal(_MP, "register_patch_mapping", "5.3", "registers a bundle's replacement classes"),
     Internal(_MP, "unregister_patch_mapping", "5.3", "removes them on disable"),
     Internal(_MP, "get_patch_mapping", "5.3", "checks conflicts; swaps classes while a model is built"),
@@ -88,7 +88,7 @@ INTERNALS: tuple[Internal, ...] = (
         "wrapped: refuses missing swapped weights, keeps quantized swapped layers saving as loaded",
         static=True,
     ),
-    # checkpoint conversions (_registry, _load_hooks, conversions/)
+    # checkpoint conversions (_hf.conversions, swaps/*/conversion.py)
     Internal(_CM, "register_checkpoint_conversion_mapping", "5.0", "registers a bundle's conversions"),
     Internal(_CM, "get_checkpoint_conversion_mapping", "5.0", "reads the stock conversions"),
     Internal(_CM, "_checkpoint_conversion_mapping_cache", "5.0", "restores the stock conversions exactly"),
@@ -106,7 +106,7 @@ INTERNALS: tuple[Internal, ...] = (
         "5.6",
         "left out of a from_config model's save conversions, as transformers does",
     ),
-    # quantizers (_load_hooks, memory)
+    # quantizers (_hf.quantizers, memory)
     Internal(
         _HFQ,
         "HfQuantizer.preprocess_model",
@@ -128,13 +128,13 @@ INTERNALS: tuple[Internal, ...] = (
         "5.0",
         "memory.bnb_replaced_linears predicts bitsandbytes' choices",
     ),
-    # experts (adapters/fused_experts)
+    # experts (_hf.experts, swaps/fast)
     Internal(_MOE, "ALL_EXPERTS_FUNCTIONS._local_mapping", "5.0", "register_experts_backend's exact undo"),
     Internal(_MOE, "_default_apply_gate", "5.0", "the fused kernels refuse Experts that override the gate"),
     Internal("transformers.activations", "GELUActivation", "5.0", "maps activations to fused-kernel names"),
     Internal("transformers.activations", "GELUTanh", "5.0", "maps activations to fused-kernel names"),
     Internal("transformers.activations", "SiLUActivation", "5.0", "maps activations to fused-kernel names"),
-    # output recording (_load_hooks, routing)
+    # output recording (_hf.recorders)
     Internal("transformers.utils.output_capturing", "OutputRecorder", "5.2", "journals and adds recorders"),
     Internal(
         "transformers.utils.output_capturing",
@@ -157,7 +157,7 @@ INTERNALS: tuple[Internal, ...] = (
         "phimoe's replayable router in training mode",
         needed_for="replay",
     ),
-    # tensor parallelism (_fused_qkv_bundles)
+    # tensor parallelism (_hf.parallel)
     Internal(
         "transformers.distributed.mixin",
         "DistributedMixin._resolve_parallel_plans",

@@ -184,8 +184,3 @@ def _index_2_recorder(router_logits: Any, owner: type) -> OutputRecorder:
         f"{TRANSFORMERS_VERSION}, not an OutputRecorder or class; the '-replay' bundle cannot add a recorder "
         "beside it. Please report it."
     )
-
-
-def has_output_recorder(model: nn.Module, key: str) -> bool:
-    """Whether some class of `model` records outputs under `key`."""
-    return any(key in (getattr(type(m), "_can_record_outputs", None) or {}) for m in model.modules())

@@ -9,7 +9,7 @@ correction bias, group-limited top-k, Ernie's moe_statics) is skipped: the choic
 the replay leaves to the router, e.g. vLLM's skipped prompt rows) take the stock forward's own choice first.
 
 Each scorer below mirrors one stock forward line by line (same dtypes, same epsilons), so that replaying a
-recording with unchanged weights reproduces the stock logits bit for bit; tests/adapters/test_routers.py checks
+recording with unchanged weights reproduces the stock logits bit for bit; tests/swaps/replay/test_modules.py checks
 that for every family, which is what catches a transformers release that changes a router's math.
 """
 

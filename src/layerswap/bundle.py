@@ -77,6 +77,18 @@ class Bundle:
     def __post_init__(self) -> None:
         object.__setattr__(self, "conversions", MappingProxyType(dict(self.conversions)))
 
+    @classmethod
+    def for_family(cls, family: Family, purpose: str, description: str, **fields: Any) -> Bundle:
+        """The bundle `<model_type>-<purpose>` for `family`, keeping what the family keeps unquantized."""
+        fields.setdefault("keep_unquantized", family.keep_unquantized)
+        return cls(
+            name=f"{family.model_type}-{purpose}",
+            purpose=purpose,
+            model_types=(family.model_type,),
+            description=description,
+            **fields,
+        )
+
     def make_options(self, options: dict[str, Any]) -> BundleOptions:
         unknown = sorted(set(options) - set(BundleOptions.field_names()))
         if unknown:

@@ -43,11 +43,10 @@ def build(family: Family) -> Bundle | None:
     if fused_attention:
         patches.append(Patch(family.modeling_module, family.attention, fused_qkv.fused_qkv_adapter))
         conversions[family.model_type] = _fast_conversions
-    return Bundle(
-        name=f"{family.model_type}-fast",
-        purpose="fast",
-        model_types=(family.model_type,),
-        description=(
+    return Bundle.for_family(
+        family,
+        "fast",
+        (
             f"{family.experts} computed by a fused-MoE kernel (Triton on CUDA, a sorted grouped PyTorch path "
             "elsewhere), stock weights and checkpoints"
             + (f", plus {family.attention} with one fused qkv_proj." if fused_attention else ".")
@@ -56,5 +55,4 @@ def build(family: Family) -> Bundle | None:
         conversions=conversions,
         installers=(refuse_tensor_parallelism,) if fused_attention else (),
         needs=("fused_qkv",) if fused_attention else (),
-        keep_unquantized=family.keep_unquantized,
     )

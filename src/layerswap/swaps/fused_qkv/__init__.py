@@ -27,11 +27,10 @@ def serves(family: Family) -> bool:
 def build(family: Family) -> Bundle | None:
     if not serves(family):
         return None
-    return Bundle(
-        name=f"{family.model_type}-fused_qkv",
-        purpose="fused_qkv",
-        model_types=(family.model_type,),
-        description=(
+    return Bundle.for_family(
+        family,
+        "fused_qkv",
+        (
             f"{family.attention} with one fused qkv_proj GEMM in place of q_proj, k_proj and v_proj (GQA, biases, "
             "q/k norms and sliding windows as in stock). Loads stock and fused checkpoints; saves the stock "
             "layout. Not for tensor parallelism (device_map works)."
@@ -40,5 +39,4 @@ def build(family: Family) -> Bundle | None:
         conversions={family.model_type: fused_qkv_conversions},
         installers=(refuse_tensor_parallelism,),
         needs=("fused_qkv",),
-        keep_unquantized=family.keep_unquantized,
     )

@@ -14,16 +14,14 @@ __all__ = ["LinearExperts", "build", "linear_experts_adapter", "linear_experts_c
 def build(family: Family) -> Bundle | None:
     if family.experts is None:
         return None
-    return Bundle(
-        name=f"{family.model_type}-quant",
-        purpose="quant",
-        model_types=(family.model_type,),
-        description=(
+    return Bundle.for_family(
+        family,
+        "quant",
+        (
             f"{family.experts} as an nn.ModuleList of plain nn.Linear experts, so bitsandbytes, GPTQ/AWQ, "
             "torchao, quanto and HQQ quantize every expert. Loads per-expert and fused checkpoints; saves the "
             "stock layout."
         ),
         patches=(Patch(family.modeling_module, family.experts, linear_experts_adapter(family.model_type)),),
         conversions={family.model_type: linear_experts_conversions},
-        keep_unquantized=family.keep_unquantized,
     )

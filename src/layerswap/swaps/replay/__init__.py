@@ -29,11 +29,10 @@ def build(family: Family) -> Bundle | None:
     """`<model_type>-replay` for every MoE family whose router returns (logits, scores, indices)."""
     if family.router is None or family.router not in SCORERS:
         return None
-    return Bundle(
-        name=f"{family.model_type}-replay",
-        purpose="replay",
-        model_types=(family.model_type,),
-        description=(
+    return Bundle.for_family(
+        family,
+        "replay",
+        (
             f"{family.router} that can replay recorded expert choices (layerswap.replay_routing, e.g. vLLM "
             "rollouts via routing_from_vllm) with weights from the live router, so gradients reach it; adds "
             "output_selected_experts=True to the base model. Composes with the '-quant' bundle."
@@ -41,7 +40,6 @@ def build(family: Family) -> Bundle | None:
         patches=(
             Patch(family.modeling_module, family.router, replayable_router_adapter(SCORERS[family.router])),
         ),
-        keep_unquantized=family.keep_unquantized,
         installers=(_selected_experts_recorder(family),),
         needs=("replay",),
     )

@@ -10,34 +10,9 @@ import transformers.models
 from transformers.integrations.moe import use_experts_implementation  # noqa: F401  (the decorator we look for)
 
 from _support.transformers_support import row_missing
+from layerswap._hf.discovery import discover
 from layerswap.catalog import CATALOG
-from layerswap.families import FAMILIES
-
-# Group-A classes (plain @use_experts_implementation) not in the table, each with the reason.
-NOT_IN_TABLE = {
-    "mistral4": "no AutoModelForCausalLM (multimodal-only entry point)",
-    "inkling": "no AutoConfig entry in this transformers",
-    "inkling2": "no AutoModelForCausalLM",
-    "inkling2_loop": "no AutoModelForCausalLM",
-    "zaya": "config validation allows num_experts_per_tok=1 only; tiny test config not built yet",
-    # Tiny test configs not built yet (MLA ranks, hybrid caches, pad ids): the adapter is generic, but no row
-    # ships without its tests.
-    "axk1": "tiny test config not built yet",
-    "axk2": "tiny test config not built yet",
-    "deepseek_v32": "tiny test config not built yet",
-    "glm_moe_dsa": "tiny test config not built yet",
-    "granitemoehybrid": "tiny test config not built yet",
-    "hy_v4": "tiny test config not built yet",
-    "beam": "tiny test config builds no MoE layer yet",
-    "lara_mini": "tiny test config trips bitsandbytes' CPU 4-bit kernel in a non-expert layer",
-    "deepseek_v4": "tiny test config not built yet (router and bitsandbytes sizes)",
-    "flint": "tiny test config builds no MoE layer yet",
-    "dots3_note": "multimodal; experts inside the text model",
-    "ernie4_5_vl_moe": "multimodal, text/vision expert split",
-    "hy_v4_vl": "multimodal",
-    "minimax_m3_vl": "multimodal",
-    "qwen3_5_moe": "multimodal wrapper; text experts",
-}
+from layerswap.families import DERIVED, FAMILIES, UNCOVERED
 
 
 def _group_a_classes():
@@ -66,17 +41,19 @@ def test_every_row_names_classes_the_installed_transformers_has(family):
             assert inspect.isclass(getattr(module, name, None)), f"{family.modeling_module} has no {name}"
 
 
-def test_every_text_group_a_family_is_covered_or_excluded_with_a_reason():
-    covered = {f.model_type for f in FAMILIES if f.experts}
-    group_a = _group_a_classes()
-    text_families = {
-        name
-        for name in group_a
-        if any(not c.endswith(("TextExperts", "TalkerTextExperts")) for c in group_a[name])
-    }
-    left_out = sorted(text_families - covered - set(NOT_IN_TABLE))
-    assert not left_out, f"group-A families neither in the table nor excluded with a reason: {left_out}"
-    assert len(covered) >= 32
+def test_every_moe_family_of_the_installed_transformers_is_served_or_listed_with_a_reason():
+    # An independent scan (modeling files with a plain @use_experts_implementation class) against the families
+    # layerswap serves and the ones it lists as uncovered, with their reasons.
+    served = {f.model_type for f in FAMILIES if f.experts}
+    served_modules = {f.modeling_module for f in FAMILIES if f.experts}
+    for name in _group_a_classes():
+        module = f"transformers.models.{name}.modeling_{name}"
+        found = next(f for f in discover() if f.module_name == name)
+        assert module in served_modules or found.model_type in UNCOVERED, f"{name}: neither served nor listed"
+    listed = {found.model_type for found in discover()} - served
+    assert listed == set(UNCOVERED), "UNCOVERED names a family layerswap serves, or misses one"
+    assert all(len(reason) > 20 for reason in UNCOVERED.values())
+    assert len(served) >= 40
     assert {
         "qwen2_moe",
         "qwen3_moe",
@@ -94,7 +71,7 @@ def test_every_text_group_a_family_is_covered_or_excluded_with_a_reason():
         "phimoe",
         "jamba",
         "exaone_moe",
-    } <= covered
+    } <= served
 
 
 def test_every_moe_row_has_a_quant_bundle():
@@ -102,3 +79,44 @@ def test_every_moe_row_has_a_quant_bundle():
         if family.experts:
             bundle = CATALOG[f"{family.model_type}-quant"]
             assert bundle.model_types == (family.model_type,) and bundle.patches
+
+
+def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):
+    # As a transformers release that adds a MoE family with the stock fused layout would look to discovery.
+    from layerswap import families
+    from layerswap._hf.discovery import DiscoveredFamily, ExpertsDeclaration
+
+    new = DiscoveredFamily(
+        module_name="brand_new_moe",
+        model_types=("brand_new_moe",),
+        experts=(ExpertsDeclaration("BrandNewMoeExperts", decorated=True, layout=(), own_gate=False),),
+        routers=("BrandNewMoeTopKRouter",),
+        attentions=("BrandNewMoeAttention",),
+    )
+    monkeypatch.setattr(families, "discover", lambda: (*discover(), new))
+    monkeypatch.setattr(
+        families, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", {"brand_new_moe": "BrandNewMoeForCausalLM"}
+    )
+    derived, _ = families._derive()
+    (row,) = [f for f in derived if f.model_type == "brand_new_moe"]
+    assert row.experts == "BrandNewMoeExperts" and row.router == "BrandNewMoeTopKRouter"
+    assert row.modeling_module == "transformers.models.brand_new_moe.modeling_brand_new_moe"
+    from layerswap.swaps import PURPOSES
+
+    bundles = {b.name for build in PURPOSES.values() if (b := build(row)) is not None}
+    assert {"brand_new_moe-quant", "brand_new_moe-fast"} <= bundles
+    # The same family with another layout is listed, naming what it declares.
+    odd = DiscoveredFamily(
+        "odd_moe",
+        ("odd_moe",),
+        (ExpertsDeclaration("OddMoeExperts", True, (("is_transposed", "True"),), False),),
+        (),
+        (),
+    )
+    monkeypatch.setattr(families, "discover", lambda: (odd,))
+    assert "OddMoeExperts(is_transposed=True)" in families._derive()[1]["odd_moe"]
+
+
+def test_derived_rows_are_the_families_no_typed_row_covers():
+    typed = {f.model_type for f in FAMILIES[: len(FAMILIES) - len(DERIVED)]}
+    assert typed.isdisjoint(f.model_type for f in DERIVED)

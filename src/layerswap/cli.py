@@ -13,6 +13,7 @@ from collections.abc import Sequence
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
     from ._hf.compat import TRANSFORMERS_VERSION, bundle_requirement
+    from .families import DERIVED, UNCOVERED
 
     bundles = list_bundles()
     # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
@@ -23,12 +24,23 @@ def _cmd_list(args: argparse.Namespace) -> int:
         for b in bundles:
             note = f" Needs {needs[b.name]}." if b.name in needs else ""
             print(f"| `{b.name}` | {b.purpose} | {', '.join(b.model_types)} | {b.description}{note} |")
+        print(f"\nRows derived from transformers {TRANSFORMERS_VERSION} (no hand-written row): ", end="")
+        print(", ".join(f"`{f.model_type}`" for f in DERIVED) + ".")
+        print(f"\n## MoE families of transformers {TRANSFORMERS_VERSION} without bundles\n")
+        print("| model type | why |")
+        print("| --- | --- |")
+        for model_type, reason in sorted(UNCOVERED.items()):
+            print(f"| {model_type} | {reason} |")
         return 0
     width = max(len(b.name) for b in bundles)
     for b in bundles:
         note = f"  [needs {needs[b.name]}]" if b.name in needs else ""
         print(f"{b.name:<{width}}  {b.purpose:<10} {b.description.split('.')[0]}{note}")
     print(f"\n{len(bundles)} bundles. `layerswap list --markdown` prints the catalog for docs.")
+    print(
+        f"{len(UNCOVERED)} MoE families of transformers {TRANSFORMERS_VERSION} have no bundle, each for a reason "
+        "(`layerswap list --markdown` lists them)."
+    )
     if needs:
         print(
             f"{len(needs)} of them need a newer transformers than the installed {TRANSFORMERS_VERSION} "

@@ -1,17 +1,25 @@
 """The model families layerswap serves: one row per transformers model type, naming the classes it replaces.
 
-Adding a family is one row here; each purpose under `swaps/` builds its bundle from the row (or none, for a family
-it does not serve).
+Two sources, in this order:
+- TYPED: rows written by hand, for what cannot be read from transformers (the router whose math the '-replay'
+  scorers mirror, the attention class '-fused_qkv' is tested on, a modeling module elsewhere);
+- derived rows: every other MoE family of the installed transformers whose experts declare the stock fused layout
+  (`_hf.discovery`), so a release that adds one is served with no code change.
+Every other MoE family of the installed transformers is in UNCOVERED, with the reason. Each purpose under
+`swaps/` builds its bundle from a row (or none, for a family it does not serve).
 """
 
 from __future__ import annotations
 
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ._hf.discovery import DiscoveredFamily, discover
 from .bundle import Family
 
 # MoE families: every family whose Experts class has the stock v5 layout (`@use_experts_implementation` with its defaults:
 # gate_up_proj [E, 2I, H] gate-first, down_proj [E, H, I], no bias). tests/test_catalog.py checks each row
 # against the installed transformers, and that no such class is left out without a reason.
-FAMILIES: tuple[Family, ...] = (
+TYPED: tuple[Family, ...] = (
     Family("qwen2_moe", "Qwen2MoeExperts", router="Qwen2MoeTopKRouter", attention="Qwen2MoeAttention"),
     Family("qwen3_moe", "Qwen3MoeExperts", router="Qwen3MoeTopKRouter", attention="Qwen3MoeAttention"),
     Family("qwen3_next", "Qwen3NextExperts", router="Qwen3NextTopKRouter", attention="Qwen3NextAttention"),
@@ -69,3 +77,81 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", attention="Qwen2Attention"),
     Family("qwen3", attention="Qwen3Attention"),
 )
+
+
+# Why a MoE family that no row covers is not served, where a fact says more than the derived reason.
+_REASONS: dict[str, str] = {
+    "gpt_oss": "biased experts with interleaved gate/up rows and a clamped SwiGLU (alpha, limit): needs its own "
+    "adapter; published checkpoints store MXFP4 blocks and scales",
+    "openai_privacy_filter": "transposed, biased experts: needs its own adapter",
+    "aria": "transposed experts ([E, H, 2I]): needs its own adapter",
+    "nemotron_h": "gate-less experts (up, activation, down): needs its own adapter",
+    "muse_spark": "a norm after each expert: needs its own adapter",
+    "llama4": "transposed experts without layout flags, inside a vision-language model: needs its own adapter",
+    "step3p7": "its own experts class (no layout flags), inside a vision-language model",
+    "dbrx": "its own experts class (DbrxExperts around a DbrxExpertGLU, no layout flags): needs its own adapter",
+    "jetmoe": "its own experts class (JetMoeParallelExperts, no layout flags): needs its own adapter",
+    "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
+    "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "
+    "sees them without a bundle",
+    "nllb-moe": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer sees them "
+    "without a bundle",
+}
+
+
+def _uncovered_reason(found: DiscoveredFamily) -> str | None:
+    """Why the standard swaps cannot serve `found` (None: a derived row serves it)."""
+    if found.model_type in _REASONS:
+        return _REASONS[found.model_type]
+    stock = [e for e in found.experts if e.is_stock_layout]
+    gated = [e.name for e in found.experts if e.own_gate]
+    if not stock and gated:
+        return (
+            f"{', '.join(gated)} computes its own gate (`_apply_gate`, e.g. clamped): needs its own adapter"
+        )
+    if not stock:
+        declared = ", ".join(
+            f"{e.name}({', '.join(f'{k}={v}' for k, v in e.layout)})"
+            if e.decorated
+            else f"{e.name} (undecorated)"
+            for e in found.experts
+        )
+        return f"experts in another layout than the stock fused one: {declared}"
+    if len(found.model_types) > 1:
+        return (
+            f"experts inside a nested text config ({len(found.model_types)} model types share its module: "
+            f"{', '.join(found.model_types)}); composite configs are not derived yet"
+        )
+    if found.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "no causal-LM class in AutoModelForCausalLM (the model is built inside another one)"
+    return None
+
+
+def _router(found: DiscoveredFamily, experts: str) -> str | None:
+    """The family's top-k router: the router class named like its experts class."""
+    prefix = experts.removesuffix("Experts")
+    named = [r for r in found.routers if r.startswith(prefix) and "Router" in r]
+    return named[0] if len(named) == 1 else None
+
+
+def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
+    typed = {f.model_type for f in TYPED} | {f.experts for f in TYPED if f.experts}
+    rows: list[Family] = []
+    uncovered: dict[str, str] = {}
+    for found in discover():
+        if found.model_type in typed or any(e.name in typed for e in found.experts):
+            continue
+        reason = _uncovered_reason(found)
+        if reason is not None:
+            uncovered[found.model_type] = reason
+            continue
+        (experts,) = [e.name for e in found.experts if e.is_stock_layout]
+        rows.append(
+            Family(found.model_type, experts, router=_router(found, experts), module=found.modeling_module)
+        )
+    return tuple(rows), uncovered
+
+
+DERIVED, UNCOVERED = _derive()
+# Every family layerswap serves: the typed rows, then the derived ones.
+FAMILIES: tuple[Family, ...] = TYPED + DERIVED

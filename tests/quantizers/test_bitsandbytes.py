@@ -26,6 +26,15 @@ TINY_SIZE_SKIPS = {
     "kimi_linear": [r".*self_attn"],
     "bailing_hybrid": [r".*self_attn"],
     "laguna": [r".*self_attn"],
+    "axk1": [r".*self_attn"],
+    "deepseek_v32": [r".*self_attn"],
+    "glm_moe_dsa": [r".*self_attn"],
+    "hy_v4": [r".*self_attn"],
+    "granitemoehybrid": [r".*mamba"],
+    # Every non-expert module: axk2's 16-wide gated norm, lara_mini's linear-attention gates, zaya's CCA projections.
+    "axk2": [r"(?!.*\.experts\.).*"],
+    "lara_mini": [r"(?!.*\.experts\.).*"],
+    "zaya": [r"(?!.*\.experts\.).*"],
 }
 
 

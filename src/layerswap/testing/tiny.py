@@ -31,8 +31,43 @@ _COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# Multi-head latent attention (deepseek_v3's and its descendants'): small ranks, as many kv heads as heads, every
+# layer MoE so both layers have experts.
+_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "first_k_dense_replace": 0,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+# Sparse (indexed) attention on top of MLA: a small indexer.
+_INDEXED = {"index_topk": 4, "index_head_dim": 16, "index_n_heads": 2}
+
 # Per-family settings on top of _COMMON, each with the reason it is needed.
 _FAMILY: dict[str, dict[str, Any]] = {
+    "axk1": {**_MLA, "mlp_layer_types": ["sparse", "sparse"]},
+    "axk2": {**_MLA, **_INDEXED, "mlp_layer_types": ["sparse", "sparse"]},
+    "deepseek_v32": {**_MLA, **_INDEXED},
+    "glm_moe_dsa": {**_MLA, **_INDEXED},
+    # Also: the default pad id is beyond the tiny vocabulary.
+    "hy_v4": {**_MLA, **_INDEXED, "pad_token_id": 1, "mlp_layer_types": ["sparse", "sparse"]},
+    # Mamba layers with small heads and state, and one attention layer.
+    "granitemoehybrid": {
+        "layer_types": ["mamba", "attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+        "shared_intermediate_size": 64,
+    },
+    "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 routing only
+    # Both layers MoE (the defaults keep the first layers dense).
+    "flint": {"mlp_only_layers": []},
     # MLA attention: small ranks, as many kv heads as heads; every layer MoE so both layers have experts.
     "deepseek_v2": {
         "num_key_value_heads": 4,

@@ -115,3 +115,19 @@ def test_class_name_says_what_it_replaces():
     assert type(linear).__name__ == "LinearQwen2MoeExperts"
     assert type(linear)._layerswap_original.__name__ == "Qwen2MoeExperts"
     assert isinstance(linear, LinearExperts)
+
+
+# A custom _apply_gate (deepseek_v4's and hy_v4's clamped SwiGLU) changes what each expert computes; LinearExperts
+# computes act(gate) * up, so it must refuse such a class rather than run it wrong (a tiny random model would not
+# even reach the clamp).
+def test_experts_with_their_own_gate_are_refused():
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    class ClampedExperts(Qwen2MoeExperts):
+        def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=7.0)) * up
+
+    replacement = linear_experts_adapter("qwen2_moe")(ClampedExperts, BundleOptions())
+    with pytest.raises(UnsupportedTransformersError, match="ClampedExperts .* overrides _apply_gate"):
+        replacement(tiny_config("qwen2_moe"))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..._hf.compat import TRANSFORMERS_VERSION
-from ..._hf.experts import configured_implementation, layout_mismatches
+from ..._hf.experts import configured_implementation, layout_mismatches, overrides_apply_gate
 from ...bundle import BundleOptions
 from ...errors import ExpertsImplementationError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
@@ -164,6 +164,12 @@ def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs
         and reference.down_proj.shape[1] == reference.gate_up_proj.shape[2]
         and 2 * reference.down_proj.shape[2] == reference.gate_up_proj.shape[1]
     )
+    if overrides_apply_gate(original):
+        raise UnsupportedTransformersError(
+            f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} computes its own "
+            "gate (it overrides _apply_gate, e.g. with a clamp), where LinearExperts computes act(gate) * up: its "
+            "outputs would differ. This family needs its own adapter; please report it."
+        )
     if mismatches or not shapes_ok or not hasattr(reference, "act_fn"):
         found = {flag: value for flag, value, _ in mismatches}
         raise UnsupportedTransformersError(

@@ -127,6 +127,9 @@ class Family:
     attention: str | None = None  # attention class with separate q_proj / k_proj / v_proj
     module: str | None = None  # defaults to transformers.models.<model_type>.modeling_<model_type>
     keep_unquantized: tuple[str, ...] = DEFAULT_KEEP_UNQUANTIZED
+    own_gate: bool = (
+        False  # the experts compute their own gate (`_apply_gate`): no fused-kernel ('-fast') bundle
+    )
 
     @property
     def modeling_module(self) -> str:

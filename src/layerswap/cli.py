@@ -13,7 +13,7 @@ from collections.abc import Sequence
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
     from ._hf.compat import TRANSFORMERS_VERSION, bundle_requirement
-    from .families import DERIVED, UNCOVERED
+    from .families import DERIVED, UNCOVERED, families_without_replay
 
     bundles = list_bundles()
     # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
@@ -26,6 +26,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
             print(f"| `{b.name}` | {b.purpose} | {', '.join(b.model_types)} | {b.description}{note} |")
         print(f"\nRows derived from transformers {TRANSFORMERS_VERSION} (no hand-written row): ", end="")
         print(", ".join(f"`{f.model_type}`" for f in DERIVED) + ".")
+        print("\nWithout a '-replay' bundle (no scorer mirrors the router's weights yet): ", end="")
+        without = sorted(families_without_replay().items())
+        print(", ".join(f"`{t}` ({router or 'no router class found'})" for t, router in without) + ".")
         print(f"\n## MoE families of transformers {TRANSFORMERS_VERSION} without bundles\n")
         print("| model type | why |")
         print("| --- | --- |")

@@ -15,6 +15,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ._hf.discovery import DiscoveredFamily, discover
 from .bundle import Family
+from .swaps.replay.modules import SCORERS
 
 # MoE families: every family whose Experts class has the stock v5 layout (`@use_experts_implementation` with its defaults:
 # gate_up_proj [E, 2I, H] gate-first, down_proj [E, H, I], no bias). tests/test_catalog.py checks each row
@@ -104,11 +105,6 @@ def _uncovered_reason(found: DiscoveredFamily) -> str | None:
     if found.model_type in _REASONS:
         return _REASONS[found.model_type]
     stock = [e for e in found.experts if e.is_stock_layout]
-    gated = [e.name for e in found.experts if e.own_gate]
-    if not stock and gated:
-        return (
-            f"{', '.join(gated)} computes its own gate (`_apply_gate`, e.g. clamped): needs its own adapter"
-        )
     if not stock:
         declared = ", ".join(
             f"{e.name}({', '.join(f'{k}={v}' for k, v in e.layout)})"
@@ -131,7 +127,8 @@ def _router(found: DiscoveredFamily, experts: str) -> str | None:
     """The family's top-k router: the router class named like its experts class."""
     prefix = experts.removesuffix("Experts")
     named = [r for r in found.routers if r.startswith(prefix) and "Router" in r]
-    return named[0] if len(named) == 1 else None
+    top_k = [r for r in named if "topk" in r.lower()]  # deepseek_v4 has a hash router beside its top-k one
+    return named[0] if len(named) == 1 else top_k[0] if len(top_k) == 1 else None
 
 
 def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
@@ -145,9 +142,15 @@ def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
         if reason is not None:
             uncovered[found.model_type] = reason
             continue
-        (experts,) = [e.name for e in found.experts if e.is_stock_layout]
+        (experts,) = [e for e in found.experts if e.is_stock_layout]
         rows.append(
-            Family(found.model_type, experts, router=_router(found, experts), module=found.modeling_module)
+            Family(
+                found.model_type,
+                experts.name,
+                router=_router(found, experts.name),
+                module=found.modeling_module,
+                own_gate=experts.own_gate,
+            )
         )
     return tuple(rows), uncovered
 
@@ -155,3 +158,9 @@ def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
 DERIVED, UNCOVERED = _derive()
 # Every family layerswap serves: the typed rows, then the derived ones.
 FAMILIES: tuple[Family, ...] = TYPED + DERIVED
+
+
+def families_without_replay() -> dict[str, str | None]:
+    """MoE families served without a '-replay' bundle, with their router class (None: none found): no scorer in
+    `swaps/replay` mirrors how it weights the experts it picks yet."""
+    return {f.model_type: f.router for f in FAMILIES if f.experts and f.router not in SCORERS}

@@ -31,6 +31,7 @@ TINY_SIZE_SKIPS = {
     "glm_moe_dsa": [r".*self_attn"],
     "hy_v4": [r".*self_attn"],
     "granitemoehybrid": [r".*mamba"],
+    "deepseek_v4": [r".*self_attn"],
     # Every non-expert module: axk2's 16-wide gated norm, lara_mini's linear-attention gates, zaya's CCA projections.
     "axk2": [r"(?!.*\.experts\.).*"],
     "lara_mini": [r"(?!.*\.experts\.).*"],

@@ -41,13 +41,9 @@ class ExpertsDeclaration:
 
     @property
     def is_stock_layout(self) -> bool:
-        """Decorated, with every layout argument at its stock value, and the stock gate."""
+        """Decorated, with every layout argument at its stock value (its gate may be its own)."""
         stock = {flag: str(value) for flag, (value, _) in STOCK_LAYOUT_FLAGS.items()}
-        return (
-            self.decorated
-            and not self.own_gate
-            and all(stock.get(flag) == value for flag, value in self.layout)
-        )
+        return self.decorated and all(stock.get(flag) == value for flag, value in self.layout)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,11 @@ def overrides_apply_gate(experts_class: type) -> bool:
     return getattr(experts_class, "_apply_gate", default) is not default
 
 
+def own_gate(experts_class: type) -> Callable[[Any, Any], Any] | None:
+    """The class's own `_apply_gate(self, gate_up)` where it overrides the stock one, else None."""
+    return experts_class._apply_gate if overrides_apply_gate(experts_class) else None
+
+
 def configured_implementation(config: Any) -> str | None:
     """The experts implementation `config` names now (None: transformers' default)."""
     return getattr(config, "_experts_implementation", None)

@@ -68,6 +68,9 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 routing only
     # Both layers MoE (the defaults keep the first layers dense).
     "flint": {"mlp_only_layers": []},
+    "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 1, "topk_group": 1},
+    # One hash-routed MoE layer (the defaults start with three) and one top-k routed, whose router is recorded.
+    "deepseek_v4": {"mlp_layer_types": ["hash_moe", "moe"]},
     # MLA attention: small ranks, as many kv heads as heads; every layer MoE so both layers have experts.
     "deepseek_v2": {
         "num_key_value_heads": 4,

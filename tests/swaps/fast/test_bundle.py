@@ -6,14 +6,14 @@ from transformers import AutoModelForCausalLM
 
 import layerswap
 from _support.checkpoints import assert_state_dicts_identical
-from _support.families import MOE_FAMILIES
+from _support.families import FAST_FAMILIES, MOE_FAMILIES
 from _support.tiny_models import tiny_input_ids, tiny_model
 from layerswap.errors import BundleConflictError
 from layerswap.swaps.fast.modules import FusedExpertsForwardMixin
 from layerswap.swaps.fused_qkv.modules import FusedQKVAttention
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES, ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", FAST_FAMILIES, ids=lambda f: f.model_type)
 def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path):
     stock = tiny_model(family.model_type)
     stock.save_pretrained(tmp_path / "stock")
@@ -55,3 +55,14 @@ def test_fast_composes_with_fused_qkv(tmp_path):
         )
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert_state_dicts_identical(stock, reloaded)
+
+
+def test_families_that_compute_their_own_gate_get_no_fast_bundle():
+    # deepseek_v4, hy_v4 and beam clamp (or upcast) their SwiGLU in their own _apply_gate; the fused kernels compute
+    # act(gate) * up only, so offering '-fast' for them would offer wrong outputs.
+    own_gate = [f for f in MOE_FAMILIES if f.own_gate]
+    assert {"deepseek_v4", "hy_v4", "beam"} <= {f.model_type for f in own_gate}
+    names = {b.name for b in layerswap.list_bundles()}
+    for family in own_gate:
+        assert f"{family.model_type}-fast" not in names
+        assert f"{family.model_type}-quant" in names

@@ -117,17 +117,26 @@ def test_class_name_says_what_it_replaces():
     assert isinstance(linear, LinearExperts)
 
 
-# A custom _apply_gate (deepseek_v4's and hy_v4's clamped SwiGLU) changes what each expert computes; LinearExperts
-# computes act(gate) * up, so it must refuse such a class rather than run it wrong (a tiny random model would not
-# even reach the clamp).
-def test_experts_with_their_own_gate_are_refused():
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+# A custom _apply_gate (deepseek_v4's and hy_v4's clamped SwiGLU) changes what each expert computes: LinearExperts
+# must compute it too. The limit is set low enough that the clamp changes the outputs (a tiny random model with the
+# default limit would never reach it, and a LinearExperts ignoring the gate would pass).
+def test_experts_with_their_own_gate_keep_computing_it():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
-    class ClampedExperts(Qwen2MoeExperts):
-        def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
-            gate, up = gate_up_out.chunk(2, dim=-1)
-            return self.act_fn(gate.clamp(max=7.0)) * up
-
-    replacement = linear_experts_adapter("qwen2_moe")(ClampedExperts, BundleOptions())
-    with pytest.raises(UnsupportedTransformersError, match="ClampedExperts .* overrides _apply_gate"):
-        replacement(tiny_config("qwen2_moe"))
+    config = tiny_config("deepseek_v4", swiglu_limit=0.05)
+    stock = DeepseekV4Experts(config)
+    for parameter in stock.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    linear = linear_experts_adapter("deepseek_v4")(DeepseekV4Experts, BundleOptions())(config)
+    names = linear.expert_names
+    for e, expert in enumerate(linear):
+        gate, up = stock.gate_up_proj.data[e].chunk(2, dim=0)
+        getattr(expert, names.gate).weight.data.copy_(gate)
+        getattr(expert, names.up).weight.data.copy_(up)
+        getattr(expert, names.down).weight.data.copy_(stock.down_proj.data[e])
+    hidden = torch.randn(6, linear.hidden_dim)
+    index, weights = _routing(6, linear.num_experts, 2)
+    expected = stock(hidden, index, weights)
+    stock.limit = float("inf")
+    assert not torch.allclose(stock(hidden, index, weights), expected, atol=1e-3)  # the clamp matters here
+    torch.testing.assert_close(linear(hidden, index, weights), expected, atol=1e-5, rtol=1e-5)

@@ -35,7 +35,7 @@ def _fast_conversions(stock: list[WeightTransform], options: BundleOptions) -> l
 
 
 def build(family: Family) -> Bundle | None:
-    if family.experts is None:
+    if family.experts is None or family.own_gate:  # the kernels compute act(gate) * up only
         return None
     patches = [Patch(family.modeling_module, family.experts, fused_experts_adapter)]
     conversions = {family.model_type: shape_checked_expert_merges}

@@ -7,13 +7,15 @@ It does not subclass the stock class: `_init_weights` would initialise the 3D pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..._hf.compat import TRANSFORMERS_VERSION
-from ..._hf.experts import configured_implementation, layout_mismatches, overrides_apply_gate
+from ..._hf.experts import configured_implementation, layout_mismatches, own_gate
 from ...bundle import BundleOptions
 from ...errors import ExpertsImplementationError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
@@ -21,11 +23,31 @@ from .._stock_layout import ExpertNames, stock_experts_layout
 from .conversion import FusedToLinearExperts
 
 
+class StockGate:
+    """The stock class's own `_apply_gate` (a clamped SwiGLU, say), applied to one expert's gate and up outputs
+    concatenated as the stock fused projection returns them. It runs on a copy of the stock module's plain
+    attributes and child modules (the clamp limit, the activation), so it holds no weights."""
+
+    def __init__(self, apply_gate: Callable[[Any, torch.Tensor], torch.Tensor], reference: nn.Module) -> None:
+        self.apply_gate = apply_gate
+        attributes = {k: v for k, v in vars(reference).items() if not k.startswith("_")}
+        self._stock = SimpleNamespace(**attributes, **dict(reference.named_children()))
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.apply_gate(self._stock, torch.cat([gate, up], dim=-1))
+
+
 class ExpertMLP(nn.Module):
-    """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear without bias."""
+    """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear without bias; with `stock_gate`,
+    down(stock_gate(gate(x), up(x))) instead."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, act_fn: nn.Module, names: ExpertNames
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: nn.Module | None,
+        names: ExpertNames,
+        stock_gate: StockGate | None = None,
     ) -> None:
         super().__init__()
         self.names = names
@@ -33,12 +55,14 @@ class ExpertMLP(nn.Module):
         self.add_module(names.up, nn.Linear(hidden_size, intermediate_size, bias=False))
         self.add_module(names.down, nn.Linear(intermediate_size, hidden_size, bias=False))
         self.act_fn = act_fn
+        self.stock_gate = stock_gate
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Looked up by name on every call: quantizers replace the Linear children in place.
         gate = getattr(self, self.names.gate)(hidden_states)
         up = getattr(self, self.names.up)(hidden_states)
-        return getattr(self, self.names.down)(self.act_fn(gate) * up)
+        hidden = self.act_fn(gate) * up if self.stock_gate is None else self.stock_gate(gate, up)
+        return getattr(self, self.names.down)(hidden)
 
 
 class LinearExperts(nn.ModuleList):
@@ -58,8 +82,12 @@ class LinearExperts(nn.ModuleList):
         reference = _stock_reference(self._layerswap_original, config, args, kwargs)
         num_experts, twice_intermediate, hidden_size = reference.gate_up_proj.shape
         intermediate_size = twice_intermediate // 2
+        # Experts that compute their own gate (deepseek_v4's clamped SwiGLU) keep computing it.
+        apply_gate = own_gate(self._layerswap_original)
+        stock_gate = StockGate(apply_gate, reference) if apply_gate is not None else None
+        act_fn = getattr(reference, "act_fn", None)
         super().__init__(
-            ExpertMLP(hidden_size, intermediate_size, reference.act_fn, self.expert_names)
+            ExpertMLP(hidden_size, intermediate_size, act_fn, self.expert_names, stock_gate)
             for _ in range(num_experts)
         )
         self.config = config
@@ -164,13 +192,8 @@ def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs
         and reference.down_proj.shape[1] == reference.gate_up_proj.shape[2]
         and 2 * reference.down_proj.shape[2] == reference.gate_up_proj.shape[1]
     )
-    if overrides_apply_gate(original):
-        raise UnsupportedTransformersError(
-            f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} computes its own "
-            "gate (it overrides _apply_gate, e.g. with a clamp), where LinearExperts computes act(gate) * up: its "
-            "outputs would differ. This family needs its own adapter; please report it."
-        )
-    if mismatches or not shapes_ok or not hasattr(reference, "act_fn"):
+    has_gate = hasattr(reference, "act_fn") or own_gate(original) is not None
+    if mismatches or not shapes_ok or not has_gate:
         found = {flag: value for flag, value, _ in mismatches}
         raise UnsupportedTransformersError(
             f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} does not have "

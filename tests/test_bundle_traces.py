@@ -263,3 +263,43 @@ def test_an_adapter_trained_on_quant_experts_is_refused_for_a_model_without_the_
     layerswap.check_adapter(base, tmp_path / "adapter")
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     layerswap.check_adapter(loaded, tmp_path / "adapter")
+
+
+def test_peft_itself_refuses_an_adapter_whose_modules_the_model_lacks(tmp_path):
+    # Without any call to check_adapter: PeftModel.from_pretrained loaded 0 of the adapter's 96 expert tensors,
+    # warning only, and left them at their random init.
+    import peft
+
+    tiny_model("qwen2_moe").save_pretrained(tmp_path / "base")
+    with layerswap.use_bundle("qwen2_moe-quant"):
+        swapped = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        config = peft.LoraConfig(
+            target_modules=["gate_proj", "up_proj", "down_proj"], r=4, init_lora_weights=False
+        )
+        trained = peft.get_peft_model(swapped, config)
+        trained.save_pretrained(tmp_path / "adapter")
+        expected = trained(tiny_input_ids()).logits
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    with pytest.raises(layerswap.AdapterLayoutError, match="qwen2_moe-quant"):
+        peft.PeftModel.from_pretrained(stock, tmp_path / "adapter")
+    with layerswap.use_bundle("qwen2_moe-quant"):
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    torch.testing.assert_close(loaded(tiny_input_ids()).logits, expected)
+
+
+def test_the_peft_check_is_installed_when_peft_is_imported_after_layerswap_and_undone():
+    import subprocess
+    import sys
+
+    script = (
+        "import layerswap, peft.peft_model as pm\n"
+        "assert getattr(pm.PeftModel.load_adapter, '_layerswap_checked', False)\n"
+        "from layerswap import peft_adapters\n"
+        "peft_adapters.unwatch_peft()\n"
+        "assert not getattr(pm.PeftModel.load_adapter, '_layerswap_checked', False)\n"
+        "print('ok')\n"
+    )
+    assert "peft" not in script.split("\n")[0].split(",")[0]  # layerswap first, then peft
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

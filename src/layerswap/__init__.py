@@ -25,7 +25,7 @@ from .errors import (
     UnsupportedTransformersError,
     WeightConversionError,
 )
-from .peft_adapters import check_adapter
+from .peft_adapters import check_adapter, watch_peft
 from .registry import (
     apply_bundles,
     disable_bundle,
@@ -40,6 +40,8 @@ from .routing import RecordedRouting, record_routing, replay_routing, routing_fr
 from .swaps.fast import register_experts_backend, unregister_experts_backend
 
 __version__ = "0.1.0"
+
+watch_peft()  # PEFT checks every local adapter it loads against the model (peft_adapters.unwatch_peft undoes it)
 
 __all__ = [
     "AdapterLayoutError",

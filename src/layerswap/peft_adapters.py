@@ -5,17 +5,28 @@ An adapter trained on a '-quant' model holds weights for each expert's nn.Linear
 with no such modules, so `PeftModel.from_pretrained` onto a model loaded without the bundle loads none of those
 weights: the experts' adapters stay at their random init, with only peft's "missing adapter keys" warning. The
 adapter's own keys say which layout it needs, so `check_adapter` needs nothing recorded beside them.
+
+While layerswap is imported, `PeftModel.load_adapter` (and so `PeftModel.from_pretrained`) runs the check itself on
+every local adapter (`watch_peft`, undone by `unwatch_peft`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
 import os
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 
+from ._hf.journal import Journal
 from .errors import AdapterLayoutError
+from .registry import enabled_bundles, use_bundle
 
 # What PEFT puts around a module's name in an adapter's saved keys.
 _PEFT_PREFIX = "base_model.model."
@@ -70,3 +81,106 @@ def check_adapter(model: nn.Module, adapter: str | os.PathLike | dict[str, Any])
         f"{source} has weights for {len(missing)} module(s) that {type(base).__name__} lacks ({shown}); PEFT "
         f"would load none of them and leave them at their random init.{advice}"
     )
+
+
+# --- checking every adapter PEFT loads -------------------------------------------------------------------------
+
+_PEFT_MODULE = "peft.peft_model"
+_journal = Journal()
+
+
+def watch_peft() -> None:
+    """Make PEFT load adapters right onto models layerswap swapped, and refuse the ones that cannot fit.
+
+    `PeftModel.from_pretrained` and `PeftModel.load_adapter` then (1) run `check_adapter` on a local adapter, so an
+    adapter whose modules the model lacks is an AdapterLayoutError instead of weights silently left at their random
+    init, and (2) load under the checkpoint conversions of the bundles that swapped the model. PEFT renames adapter
+    keys by the model's conversions (transformers v5 merges per-expert keys into fused experts); after the bundle
+    was disabled it would rename a '-quant' adapter's per-expert keys to fused names the swapped model does not
+    have, and load none of them. Called when layerswap is imported: at once if peft is imported already, else when
+    it is. `unwatch_peft()` puts PEFT back."""
+    module = sys.modules.get(_PEFT_MODULE)
+    if module is not None:
+        _wrap_peft(module)
+    elif not any(isinstance(finder, _WrapPeftOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _WrapPeftOnImport())
+
+
+def unwatch_peft() -> None:
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _WrapPeftOnImport)]
+    _journal.undo()
+
+
+class _WrapPeftOnImport(importlib.abc.MetaPathFinder):
+    """Wraps `PeftModel.load_adapter` once peft's module defining it has run."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _PEFT_MODULE:
+            return None
+        unwatch_import = [f for f in sys.meta_path if f is not self]
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        sys.meta_path[:] = unwatch_import  # one module, once
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _wrap_peft(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _wrap_peft(module: Any) -> None:
+    peft_model = getattr(module, "PeftModel", None)
+    if not isinstance(peft_model, type) or _journal:
+        return
+    load_adapter = vars(peft_model).get("load_adapter")
+    from_pretrained = vars(peft_model).get("from_pretrained")
+    if load_adapter is not None:
+
+        @functools.wraps(load_adapter)
+        def checked_load_adapter(self: Any, model_id: Any, *args: Any, **kwargs: Any) -> Any:
+            adapter = _local_adapter_file(model_id, kwargs.get("subfolder"))
+            if adapter is not None:
+                check_adapter(self, adapter)
+            with _conversions_of(self):
+                return load_adapter(self, model_id, *args, **kwargs)
+
+        checked_load_adapter._layerswap_checked = True
+        _journal.set_attribute(peft_model, "load_adapter", checked_load_adapter)
+    if isinstance(from_pretrained, classmethod):
+        function = from_pretrained.__func__
+
+        @functools.wraps(function)
+        def checked_from_pretrained(cls: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            with _conversions_of(model):
+                return function(cls, model, *args, **kwargs)
+
+        _journal.set_attribute(peft_model, "from_pretrained", classmethod(checked_from_pretrained))
+
+
+@contextmanager
+def _conversions_of(model: Any) -> Iterator[None]:
+    """The checkpoint conversions of the bundles whose swapped modules re-lay `model`'s weights out, in force for
+    the block (those not enabled now are enabled for it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modules = base.modules() if isinstance(base, nn.Module) else ()
+    bundles = {getattr(type(m), "_layerswap_bundle", None) for m in modules} - {None}
+    missing = sorted(bundles - set(enabled_bundles()))
+    if not missing:
+        yield
+        return
+    with use_bundle(*missing):
+        yield
+
+
+def _local_adapter_file(model_id: Any, subfolder: str | None) -> str | None:
+    """The adapter_model.safetensors of a local adapter directory, or None (a hub id, or weights in another
+    format: PEFT loads those unchecked, as before)."""
+    if not isinstance(model_id, (str, os.PathLike)):
+        return None
+    directory = os.path.join(os.fspath(model_id), subfolder or "")
+    path = os.path.join(directory, "adapter_model.safetensors")
+    return path if os.path.isfile(path) else None

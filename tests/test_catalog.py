@@ -12,7 +12,7 @@ from transformers.integrations.moe import use_experts_implementation  # noqa: F4
 from _support.transformers_support import row_missing
 from layerswap._hf.discovery import discover
 from layerswap.catalog import CATALOG
-from layerswap.families import DERIVED, FAMILIES, UNCOVERED
+from layerswap.families import DERIVED, FAMILIES, UNCOVERED, _primary
 
 
 def _group_a_classes():
@@ -49,8 +49,8 @@ def test_every_moe_family_of_the_installed_transformers_is_served_or_listed_with
     for name in _group_a_classes():
         module = f"transformers.models.{name}.modeling_{name}"
         found = next(f for f in discover() if f.module_name == name)
-        assert module in served_modules or found.model_type in UNCOVERED, f"{name}: neither served nor listed"
-    listed = {found.model_type for found in discover()} - served
+        assert module in served_modules or _primary(found) in UNCOVERED, f"{name}: neither served nor listed"
+    listed = {_primary(found) for found in discover()} - served
     assert listed == set(UNCOVERED), "UNCOVERED names a family layerswap serves, or misses one"
     assert all(len(reason) > 20 for reason in UNCOVERED.values())
     assert len(served) >= 40
@@ -78,7 +78,9 @@ def test_every_moe_row_has_a_quant_bundle():
     for family in FAMILIES:
         if family.experts:
             bundle = CATALOG[f"{family.model_type}-quant"]
-            assert bundle.model_types == (family.model_type,) and bundle.patches
+            assert bundle.model_types == family.model_types and bundle.patches
+            assert len(bundle.patches) == len(family.all_experts)
+            assert set(bundle.conversions) == set(family.model_types)
 
 
 def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):
@@ -93,11 +95,27 @@ def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):
         routers=("BrandNewMoeTopKRouter",),
         attentions=("BrandNewMoeAttention",),
     )
-    monkeypatch.setattr(families, "discover", lambda: (*discover(), new))
+    # And a vision-language one, its experts in the text model: the bundles cover every one of its model types.
+    new_vl = DiscoveredFamily(
+        module_name="brand_new_vl",
+        model_types=("brand_new_vl", "brand_new_vl_text", "brand_new_vl_vision"),
+        experts=(ExpertsDeclaration("BrandNewVlTextExperts", decorated=True, layout=(), own_gate=False),),
+        routers=("BrandNewVlTextTopKRouter",),
+        attentions=(),
+    )
+    monkeypatch.setattr(families, "discover", lambda: (*discover(), new, new_vl))
     monkeypatch.setattr(
-        families, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", {"brand_new_moe": "BrandNewMoeForCausalLM"}
+        families,
+        "_GENERATIVE",
+        ({"brand_new_moe": "BrandNewMoeForCausalLM"}, {"brand_new_vl": "BrandNewVlForConditionalGeneration"}),
     )
     derived, _ = families._derive()
+    (vl,) = [f for f in derived if f.model_type == "brand_new_vl"]
+    assert vl.sub_model_types == ("brand_new_vl_text", "brand_new_vl_vision")
+    assert vl.experts == "BrandNewVlTextExperts" and vl.router == "BrandNewVlTextTopKRouter"
+    from layerswap.swaps import quant
+
+    assert set(quant.build(vl).conversions) == {"brand_new_vl", "brand_new_vl_text", "brand_new_vl_vision"}
     (row,) = [f for f in derived if f.model_type == "brand_new_moe"]
     assert row.experts == "BrandNewMoeExperts" and row.router == "BrandNewMoeTopKRouter"
     assert row.modeling_module == "transformers.models.brand_new_moe.modeling_brand_new_moe"
@@ -109,12 +127,12 @@ def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):
     odd = DiscoveredFamily(
         "odd_moe",
         ("odd_moe",),
-        (ExpertsDeclaration("OddMoeExperts", True, (("is_transposed", "True"),), False),),
+        (ExpertsDeclaration("OddMoeExperts", True, (("has_post_expert_norm", "True"),), False),),
         (),
         (),
     )
     monkeypatch.setattr(families, "discover", lambda: (odd,))
-    assert "OddMoeExperts(is_transposed=True)" in families._derive()[1]["odd_moe"]
+    assert "OddMoeExperts(has_post_expert_norm=True)" in families._derive()[1]["odd_moe"]
 
 
 def test_derived_rows_are_the_families_no_typed_row_covers():

@@ -113,7 +113,7 @@ def test_two_bundles_replacing_one_class_differently_name_both(monkeypatch):
             Patch(
                 "transformers.models.qwen2_moe.modeling_qwen2_moe",
                 "Qwen2MoeExperts",
-                linear_experts_adapter("qwen2_moe"),
+                linear_experts_adapter("qwen2_moe-quant", ("qwen2_moe",)),
             ),
         ),
     )

@@ -84,7 +84,7 @@ class Bundle:
         return cls(
             name=f"{family.model_type}-{purpose}",
             purpose=purpose,
-            model_types=(family.model_type,),
+            model_types=family.model_types,
             description=description,
             **fields,
         )
@@ -118,6 +118,55 @@ DEFAULT_KEEP_UNQUANTIZED = ("gate", "router", "shared_expert_gate")
 
 
 @dataclass(frozen=True)
+class ExpertsFlags:
+    """How a stock Experts class stores its experts: the layout arguments of `@use_experts_implementation`, with
+    their defaults (the stock fused layout: gate_up_proj [E, 2I, H], gate rows first, down_proj [E, H, I])."""
+
+    has_gate: bool = True  # gate_up_proj, else up_proj alone (act(up), then down)
+    has_bias: bool = False  # gate_up_proj_bias [E, 2I] (up_proj_bias) and down_proj_bias [E, H]
+    is_transposed: bool = False  # weights stored [E, in, out]
+    is_concatenated: bool = True  # gate rows then up rows; else interleaved (gate0, up0, gate1, up1, ...)
+
+    @classmethod
+    def of(cls, declared: Mapping[str, Any]) -> ExpertsFlags:
+        """From the flags a class declares (or a module carries); flags this dataclass does not know are the
+        caller's to refuse."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in declared.items() if k in names})
+
+    @property
+    def is_stock(self) -> bool:
+        return self == ExpertsFlags()
+
+    def tensors(self) -> tuple[FusedTensor, ...]:
+        """The stock parameters this layout has, and the per-expert projections each one holds."""
+        up = FusedTensor("gate_up_proj", ("gate", "up")) if self.has_gate else FusedTensor("up_proj", ("up",))
+        weights = (up, FusedTensor("down_proj", ("down",)))
+        weights = tuple(
+            dataclasses.replace(t, transposed=self.is_transposed, interleaved=not self.is_concatenated)
+            for t in weights
+        )
+        biases = tuple(
+            dataclasses.replace(t, name=f"{t.name}_bias", bias=True, transposed=False) for t in weights
+        )
+        return weights + (biases if self.has_bias else ())
+
+
+@dataclass(frozen=True)
+class FusedTensor:
+    """One stock experts parameter and the per-expert nn.Linear tensors it holds."""
+
+    name: str  # its name under the experts module: "gate_up_proj", "down_proj_bias", "mlp.w1" (dbrx)
+    projections: tuple[str, ...]  # the roles it holds, in order: ("gate", "up"), ("down",)
+    bias: bool = False  # [E, out] biases, else [E, out, in] weights
+    transposed: bool = False  # weights stored [E, in, out]
+    interleaved: bool = (
+        False  # two projections' rows alternate (gate0, up0, gate1, ...), else one after the other
+    )
+    flat: bool = False  # experts stacked along the first dimension: [E * out, in] (transposed: [E * in, out])
+
+
+@dataclass(frozen=True)
 class Family:
     """One transformers model type and the names of the classes layerswap replaces in it."""
 
@@ -130,6 +179,32 @@ class Family:
     own_gate: bool = (
         False  # the experts compute their own gate (`_apply_gate`): no fused-kernel ('-fast') bundle
     )
+    # A composite (vision-language, omni) model's other stock-layout Experts classes (qwen3_omni_moe's talker) and
+    # the model types of its sub-configs (the text model's, the towers'): the bundles edit the checkpoint
+    # conversions of each, since a sub-model is loaded by the conversions of its own model type.
+    more_experts: tuple[str, ...] = ()
+    sub_model_types: tuple[str, ...] = ()
+    # The experts' layout where it is not the stock one (gpt_oss: transposed, biased, gate/up interleaved), and
+    # for a class `@use_experts_implementation` cannot describe (dbrx), its stock parameters one by one.
+    flags: ExpertsFlags = ExpertsFlags()
+    tensors: tuple[FusedTensor, ...] | None = None
+
+    @property
+    def fused_tensors(self) -> tuple[FusedTensor, ...]:
+        return self.tensors if self.tensors is not None else self.flags.tensors()
+
+    @property
+    def is_stock_layout(self) -> bool:
+        """The experts have the stock fused layout (what the fused kernels of '-fast' compute on)."""
+        return self.flags.is_stock and self.tensors is None
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.model_type, *self.sub_model_types)
+
+    @property
+    def all_experts(self) -> tuple[str, ...]:
+        return (self.experts, *self.more_experts) if self.experts else ()
 
     @property
     def modeling_module(self) -> str:

@@ -55,6 +55,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from . import report, use_bundle
     from .catalog import CATALOG
+    from .families import UNCOVERED
     from .shapes import meta_model, resolve_config
 
     config = resolve_config(args.config)
@@ -64,7 +65,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     stock = report(meta_model(config))
     with use_bundle(*bundles):
         swapped = report(meta_model(config))
-    print(f"model type {config.model_type}; bundles: {', '.join(bundles) or 'none for this model type'}\n")
+    print(f"model type {config.model_type}; bundles: {', '.join(bundles) or 'none for this model type'}")
+    if not bundles and config.model_type in UNCOVERED:  # e.g. experts that are already nn.Linear
+        print(f"  {UNCOVERED[config.model_type]}")
+    print()
     print(f"{'':28}{'stock':>16}{'with bundles':>16}")
     rows = [
         ("parameters", stock.total_params, swapped.total_params),

@@ -41,6 +41,11 @@ class Report:
         return self.quantized_params / self.total_params if self.total_params else 0.0
 
     @property
+    def expert_linear_share(self) -> float:
+        """Share of the expert parameters in linear layers: 1.0 under a '-quant' bundle, 0.0 for stock experts."""
+        return self.expert_linear_params / self.expert_params if self.expert_params else 0.0
+
+    @property
     def expert_quantized_share(self) -> float:
         return self.expert_quantized_params / self.expert_params if self.expert_params else 0.0
 
@@ -73,8 +78,11 @@ def _logical_linear_params(module: nn.Module) -> int:
 
 
 def _is_stock_experts(module: nn.Module) -> bool:
-    gate_up = getattr(module, "gate_up_proj", None)
-    return isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3 and not isinstance(module, LinearExperts)
+    """A stock Experts module holding its experts as stacked tensors (gate_up_proj, up_proj, dbrx's mlp.w1), not as
+    linear layers a quantizer sees."""
+    if isinstance(module, LinearExperts) or not type(module).__name__.endswith("Experts"):
+        return False
+    return not any(_is_linear(m) for m in module.modules()) and any(p.dim() >= 2 for p in module.parameters())
 
 
 def report(model: nn.Module) -> Report:
@@ -84,7 +92,9 @@ def report(model: nn.Module) -> Report:
     expert_linear_ids = {
         id(m) for module in model.modules() if isinstance(module, LinearExperts) for m in module.modules()
     }
-    stock_expert_ids = {id(m) for m in model.modules() if _is_stock_experts(m)}
+    stock_expert_ids = {
+        id(m) for module in model.modules() if _is_stock_experts(module) for m in module.modules()
+    }
     for module in model.modules():
         if _is_linear(module):
             count = _logical_linear_params(module)

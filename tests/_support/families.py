@@ -10,4 +10,4 @@ INSTALLED_FAMILIES = [row for row in map(row_as_installed, FAMILIES) if row is n
 MOE_FAMILIES = [f for f in INSTALLED_FAMILIES if f.experts is not None]
 MOE_TYPES = [f.model_type for f in MOE_FAMILIES]
 # The families with a '-fast' bundle: the fused kernels compute act(gate) * up, not a family's own gate.
-FAST_FAMILIES = [f for f in MOE_FAMILIES if not f.own_gate]
+FAST_FAMILIES = [f for f in MOE_FAMILIES if not f.own_gate and f.is_stock_layout]

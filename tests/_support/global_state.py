@@ -30,6 +30,8 @@ def _recorder_picture(value: Any) -> Any:
 def _class_picture(cls: Any) -> Any:
     if cls is None:
         return None
+    if isinstance(cls, tuple):  # a recorder may target several classes (inkling2_loop's)
+        return tuple(_class_picture(c) for c in cls)
     # A layerswap class left in a recorder after disable is a leak even in a module first imported by the test.
     return (
         "LAYERSWAP LEAK" if hasattr(cls, "_layerswap_original") else "",

@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from layerswap.testing.tiny import VOCAB, tiny_config
+from layerswap.testing.tiny import VOCAB, auto_class, tiny_config
 
-__all__ = ["VOCAB", "tiny_config", "tiny_input_ids", "tiny_model"]
+__all__ = ["VOCAB", "auto_class", "tiny_config", "tiny_input_ids", "tiny_model"]
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    model = auto_class(model_type).from_config(tiny_config(model_type, **overrides))
     return model.eval()
 
 

@@ -2,48 +2,14 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
 
 import layerswap
+from _support.bnb import quantization_config
 from _support.families import MOE_FAMILIES
 from _support.numerics import assert_computed_close
-from _support.tiny_models import tiny_input_ids, tiny_model
+from _support.tiny_models import auto_class, tiny_input_ids, tiny_model
 from _support.transformers_support import needs_bundle
-
-QUANTIZATION = {
-    "nf4": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-    "int8": {"load_in_8bit": True},
-}
-
-# bitsandbytes' CPU kernels reject some NON-expert projections at tiny-config sizes (MLA low-rank projections,
-# mamba and linear-attention mixers: odd widths such as 80 or 7-wide convolutions). Real models have sizes these
-# kernels accept. The experts themselves are always quantized: that is what these tests check.
-TINY_SIZE_SKIPS = {
-    "deepseek_v2": [r".*self_attn"],
-    "deepseek_v3": [r".*self_attn"],
-    "glm4_moe_lite": [r".*self_attn"],
-    "jamba": [r".*mamba"],
-    "kimi_linear": [r".*self_attn"],
-    "bailing_hybrid": [r".*self_attn"],
-    "laguna": [r".*self_attn"],
-    "axk1": [r".*self_attn"],
-    "deepseek_v32": [r".*self_attn"],
-    "glm_moe_dsa": [r".*self_attn"],
-    "hy_v4": [r".*self_attn"],
-    "granitemoehybrid": [r".*mamba"],
-    "deepseek_v4": [r".*self_attn"],
-    # Every non-expert module: axk2's 16-wide gated norm, lara_mini's linear-attention gates, zaya's CCA projections.
-    "axk2": [r"(?!.*\.experts\.).*"],
-    "lara_mini": [r"(?!.*\.experts\.).*"],
-    "zaya": [r"(?!.*\.experts\.).*"],
-}
-
-
-def quantization_config(scheme, model_type="qwen2_moe", **extra):
-    skips = TINY_SIZE_SKIPS.get(model_type)
-    if skips:
-        extra["llm_int8_skip_modules"] = [*skips, "lm_head"]
-    return BitsAndBytesConfig(**QUANTIZATION[scheme], **extra)
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES, ids=lambda f: f.model_type)
@@ -61,7 +27,7 @@ def checkpoint(request, tmp_path_factory):
 def test_every_expert_linear_is_quantized_and_forward_runs(checkpoint, scheme):
     family, directory, reference = checkpoint
     with layerswap.use_bundle(f"{family.model_type}-quant"):
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(family.model_type).from_pretrained(
             directory, quantization_config=quantization_config(scheme, family.model_type)
         )
     summary = layerswap.report(model)
@@ -82,11 +48,11 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
     # save no longer reloads to the same outputs.
     family, directory, _ = checkpoint
     with layerswap.use_bundle(f"{family.model_type}-quant"):
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(family.model_type).from_pretrained(
             directory, quantization_config=quantization_config(scheme, family.model_type)
         )
         model.save_pretrained(tmp_path)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+        reloaded = auto_class(family.model_type).from_pretrained(tmp_path)
     assert layerswap.report(reloaded).expert_quantized_share == 1.0
     saved, loaded = model.state_dict(), reloaded.state_dict()
     assert saved.keys() == loaded.keys()

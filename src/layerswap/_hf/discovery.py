@@ -9,6 +9,7 @@ layout (decorated, no layout argument off its default) is one the standard swaps
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 import transformers
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
 
+from ..bundle import ExpertsFlags
 from .experts import STOCK_LAYOUT_FLAGS
 
 _EXPERTS = re.compile(
@@ -44,6 +46,15 @@ class ExpertsDeclaration:
         """Decorated, with every layout argument at its stock value (its gate may be its own)."""
         stock = {flag: str(value) for flag, (value, _) in STOCK_LAYOUT_FLAGS.items()}
         return self.decorated and all(stock.get(flag) == value for flag, value in self.layout)
+
+    @property
+    def flags(self) -> ExpertsFlags | None:
+        """Its layout as ExpertsFlags; None where it is undecorated or declares a flag ExpertsFlags lacks (a
+        post-expert norm) or a value that is not a plain True/False."""
+        known = {f.name for f in dataclasses.fields(ExpertsFlags)}
+        if not self.decorated or any(k not in known or v not in ("True", "False") for k, v in self.layout):
+            return None
+        return ExpertsFlags.of({k: v == "True" for k, v in self.layout})
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,9 @@ def is_per_expert_merge(transform: WeightTransform) -> bool:
         and isinstance(transform.operations[0], MergeModulelist)
         and all(_PER_EXPERT_SOURCE.match(s) for s in source_patterns(transform))
         and len(target_patterns(transform)) == 1
-        and target_patterns(transform)[0].endswith(("experts.gate_up_proj", "experts.down_proj"))
+        and target_patterns(transform)[0].endswith(
+            ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
+        )
     )
 
 
@@ -58,11 +60,16 @@ def experts_layout(stock: list[WeightTransform] | None) -> ExpertsLayout:
         prefix = matches[0]["prefix"].replace("\\.", ".")
         if target_patterns(merge)[0].endswith("gate_up_proj"):
             names["gate"], names["up"] = (m["name"] for m in matches)
+        elif target_patterns(merge)[0].endswith("up_proj"):  # gate-less experts (nemotron_h)
+            names["up"] = matches[0]["name"]
         else:
             names["down"] = matches[0]["name"]
     return ExpertsLayout(ExpertNames(**names), prefix, per_expert_checkpoints=True)
 
 
 @functools.cache
-def stock_experts_layout(model_type: str) -> ExpertsLayout:
-    return experts_layout(stock_conversions(model_type))
+def stock_experts_layout(*model_types: str) -> ExpertsLayout:
+    """The layout of the first of `model_types` (a family's, its sub-configs' after it) whose stock conversions
+    merge per-expert checkpoints; the fused one when none does."""
+    layouts = [experts_layout(stock_conversions(model_type)) for model_type in model_types]
+    return next((layout for layout in layouts if layout.per_expert_checkpoints), layouts[0])

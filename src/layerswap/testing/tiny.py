@@ -8,9 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForMultimodalLM,
+    AutoModelForTokenClassification,
+    PretrainedConfig,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 
-VOCAB = 128
+from ._sizes import VOCAB
 
 # Attributes that shrink a config, set only where the family's config has them.
 _COMMON: dict[str, Any] = {
@@ -19,6 +32,7 @@ _COMMON: dict[str, Any] = {
     "intermediate_size": 128,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 64,
+    "moe_shared_expert_intermediate_size": 64,  # nemotron_h
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -87,6 +101,18 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     # Defaults put pad/bos/eos ids beyond the tiny vocabulary.
     "flex_olmo": {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3},
+    "openai_privacy_filter": {"pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 3},
+    # Its own config names (d_model, n_heads, ...; experts in ffn_config). transformers 5.24's defaults cannot
+    # build the model: the attention reads attn_config.rope_theta, which the default lacks, and clamps by clip_qkv,
+    # None by default.
+    "dbrx": {
+        "d_model": 64,
+        "n_heads": 4,
+        "n_layers": 2,
+        "max_seq_len": 128,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2},
+    },
     "kimi_linear": {
         "num_key_value_heads": 4,
         "pad_token_id": 1,
@@ -110,8 +136,48 @@ _FAMILY: dict[str, dict[str, Any]] = {
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
     defaults = AutoConfig.for_model(model_type)
+    if _is_composite(defaults) or model_type in _RECIPE_FLAT:
+        from ._composite import tiny_composite_config
+
+        return tiny_composite_config(model_type, **overrides)
     settings = {k: v for k, v in _COMMON.items() if hasattr(defaults, k)}
     settings.update(_FAMILY.get(model_type, {}))
     settings.update(overrides)
     settings["attn_implementation"] = "eager"
     return AutoConfig.for_model(model_type, **settings)
+
+
+# Vision-language families whose image-text model cannot run on text alone in transformers 5.24
+# (Llama4ForConditionalGeneration.forward reads `outputs.image_outputs`, which a text-only pass lacks): their
+# language model (AutoModelForCausalLM) is what the tests load.
+_TEXT_ONLY = frozenset({"llama4"})
+
+
+def auto_class(model_type: str) -> type:
+    """The auto class a family's generative model loads with: a vision-language model's own
+    (AutoModelForImageTextToText, or AutoModelForMultimodalLM for omni models), else AutoModelForCausalLM, or for a
+    model with no language-model head (openai_privacy_filter) AutoModelForTokenClassification."""
+    if model_type in _TEXT_ONLY:
+        return AutoModelForCausalLM
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    if model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return AutoModelForMultimodalLM
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    ):
+        return AutoModelForTokenClassification
+    return AutoModelForCausalLM
+
+
+# Flat configs whose tiny settings the composite recipe derives (mistral4: MLA head sizes from its nope/rope dims).
+_RECIPE_FLAT = frozenset({"mistral4"})
+
+
+def _is_composite(config: PretrainedConfig) -> bool:
+    """A vision-language or omni config: its decoder is a sub-config (text_config, thinker_config)."""
+    return any(
+        isinstance(getattr(config, name, None), PretrainedConfig)
+        for name in ("text_config", "thinker_config")
+    )

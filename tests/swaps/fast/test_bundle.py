@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 import layerswap
 from _support.checkpoints import assert_state_dicts_identical
 from _support.families import FAST_FAMILIES, MOE_FAMILIES
-from _support.tiny_models import tiny_input_ids, tiny_model
+from _support.tiny_models import auto_class, tiny_input_ids, tiny_model
 from layerswap.errors import BundleConflictError
 from layerswap.swaps.fast.modules import FusedExpertsForwardMixin
 from layerswap.swaps.fused_qkv.modules import FusedQKVAttention
@@ -20,7 +20,7 @@ def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path)
     with torch.no_grad():
         expected = stock(tiny_input_ids()).logits
     with layerswap.use_bundle(f"{family.model_type}-fast"):
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = auto_class(family.model_type).from_pretrained(
             tmp_path / "stock", output_loading_info=True, attn_implementation="eager"
         )
         model.save_pretrained(tmp_path / "saved")
@@ -30,7 +30,9 @@ def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path)
         assert any(isinstance(m, FusedQKVAttention) for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
-    reloaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", output_loading_info=True)
+    reloaded, info = auto_class(family.model_type).from_pretrained(
+        tmp_path / "saved", output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert_state_dicts_identical(stock, reloaded)
 

@@ -35,10 +35,13 @@ def _fast_conversions(stock: list[WeightTransform], options: BundleOptions) -> l
 
 
 def build(family: Family) -> Bundle | None:
-    if family.experts is None or family.own_gate:  # the kernels compute act(gate) * up only
+    # The kernels compute act(gate) * up on the stock fused layout only.
+    if family.experts is None or family.own_gate or not family.is_stock_layout:
         return None
-    patches = [Patch(family.modeling_module, family.experts, fused_experts_adapter)]
-    conversions = {family.model_type: shape_checked_expert_merges}
+    patches = [
+        Patch(family.modeling_module, experts, fused_experts_adapter) for experts in family.all_experts
+    ]
+    conversions = dict.fromkeys(family.model_types, shape_checked_expert_merges)
     fused_attention = fused_qkv.serves(family)
     if fused_attention:
         patches.append(Patch(family.modeling_module, family.attention, fused_qkv.fused_qkv_adapter))
@@ -47,7 +50,7 @@ def build(family: Family) -> Bundle | None:
         family,
         "fast",
         (
-            f"{family.experts} computed by a fused-MoE kernel (Triton on CUDA, a sorted grouped PyTorch path "
+            f"{' and '.join(family.all_experts)} computed by a fused-MoE kernel (Triton on CUDA, a sorted grouped PyTorch path "
             "elsewhere), stock weights and checkpoints"
             + (f", plus {family.attention} with one fused qkv_proj." if fused_attention else ".")
         ),

@@ -4,6 +4,8 @@ layout."""
 
 from __future__ import annotations
 
+import functools
+
 from ...bundle import Bundle, Family, Patch
 from .conversion import linear_experts_conversions
 from .modules import LinearExperts, linear_experts_adapter
@@ -14,14 +16,18 @@ __all__ = ["LinearExperts", "build", "linear_experts_adapter", "linear_experts_c
 def build(family: Family) -> Bundle | None:
     if family.experts is None:
         return None
+    adapter = linear_experts_adapter(f"{family.model_type}-quant", family.model_types, family.flags)
+    edit = functools.partial(
+        linear_experts_conversions, family_types=family.model_types, tensors=family.fused_tensors
+    )
     return Bundle.for_family(
         family,
         "quant",
         (
-            f"{family.experts} as an nn.ModuleList of plain nn.Linear experts, so bitsandbytes, GPTQ/AWQ, "
-            "torchao, quanto and HQQ quantize every expert. Loads per-expert and fused checkpoints; saves the "
-            "stock layout."
+            f"{' and '.join(family.all_experts)} as an nn.ModuleList of plain nn.Linear experts, so bitsandbytes, "
+            "GPTQ/AWQ, torchao, quanto and HQQ quantize every expert. Loads per-expert and fused checkpoints; "
+            "saves the stock layout."
         ),
-        patches=(Patch(family.modeling_module, family.experts, linear_experts_adapter(family.model_type)),),
-        conversions={family.model_type: linear_experts_conversions},
+        patches=tuple(Patch(family.modeling_module, experts, adapter) for experts in family.all_experts),
+        conversions=dict.fromkeys(family.model_types, edit),
     )

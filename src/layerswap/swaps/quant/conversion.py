@@ -17,28 +17,34 @@ import torch
 from transformers.core_model_loading import (
     Concatenate,
     ConversionOps,
+    Interleave,
     MergeModulelist,
+    Transpose,
     WeightConverter,
     WeightRenaming,
     WeightTransform,
 )
 
 from ..._hf.conversions import source_patterns, target_patterns
-from ...bundle import BundleOptions
-from .._stock_layout import experts_layout, is_per_expert_merge
+from ...bundle import BundleOptions, ExpertsFlags, FusedTensor
+from .._stock_layout import experts_layout, is_per_expert_merge, stock_experts_layout
 
 _AT_NAME_START = r"(?<![^.])"
 
 
 class SplitFusedExperts(ConversionOps):
-    """Fused `[E, 2I, H]` gate_up (or `[E, H, I]` down) -> one tensor per expert and projection.
+    """One stock experts tensor (`tensor` says which and how it is laid out; the stock `[E, 2I, H]` gate_up by
+    default) -> one tensor per expert and projection.
 
-    `targets` are per-expert key patterns with `*` for the expert index; two targets split gate_up into gate
-    (first half of dim 1) and up, one target takes down as is.
+    `targets` are per-expert key patterns with `*` for the expert index, one per projection the tensor holds:
+    gate_up splits into gate (the first half of its rows, or the even rows where interleaved) and up. Transposed
+    weights (`[E, in, out]`) are transposed to nn.Linear's `[out, in]` first; flat ones (`[E * out, in]`, dbrx)
+    are viewed per expert.
     """
 
-    def __init__(self, targets: tuple[str, ...]) -> None:
+    def __init__(self, targets: tuple[str, ...], tensor: FusedTensor | None = None) -> None:
         self.targets = targets
+        self.tensor = tensor or FusedTensor("gate_up_proj", ("gate", "up"))
 
     @torch.no_grad()
     def convert(
@@ -48,16 +54,42 @@ class SplitFusedExperts(ConversionOps):
             raise ValueError(f"SplitFusedExperts expects one fused tensor, got {sorted(input_dict)}")
         tensor = next(iter(input_dict.values()))
         tensor = tensor[0] if isinstance(tensor, list) else tensor
-        if tensor.dim() != 3:
+        spec = self.tensor
+        if tensor.dim() != (2 if spec.bias or spec.flat else 3):
             raise ValueError(
-                f"SplitFusedExperts expects a 3D [E, N, K] experts tensor, got {tuple(tensor.shape)}"
+                f"SplitFusedExperts expects {spec.name} as {_expected_form(spec)}, got {tuple(tensor.shape)}"
             )
-        parts = tensor.chunk(len(self.targets), dim=1)
+        if spec.flat:
+            experts = _experts_module(kwargs["model"], kwargs["full_layer_name"])
+            tensor = tensor.view(experts.num_experts, -1, tensor.shape[-1])
+        if spec.transposed:
+            tensor = tensor.transpose(1, 2)
+        count = len(self.targets)
+        if spec.interleaved and count > 1:
+            parts = [tensor[:, index::count] for index in range(count)]
+        else:
+            parts = tensor.chunk(count, dim=1)
         return {
             target.removeprefix(_AT_NAME_START).replace("*", str(expert)): _with_own_storage(part[expert])
             for target, part in zip(self.targets, parts, strict=True)
             for expert in range(tensor.shape[0])
         }
+
+
+def _expected_form(spec: FusedTensor) -> str:
+    if spec.bias:
+        return "an [E, N] experts bias"
+    return "a 2D [E * N, K] experts tensor" if spec.flat else "a 3D [E, N, K] experts tensor"
+
+
+class _FlattenExperts(ConversionOps):
+    """[E, N, K] -> [E * N, K]: saves experts stacked along the first dimension (dbrx's layout)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        ((key, tensor),) = input_dict.items()
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        return {key: tensor.reshape(-1, tensor.shape[-1])}
 
 
 def _with_own_storage(piece: torch.Tensor) -> torch.Tensor:
@@ -119,9 +151,16 @@ class FusedToLinearExperts(WeightConverter):
     def reverse_transform(self) -> WeightTransform:
         if not self.saves_fused:
             return _never_matching_renaming()
-        operations = [MergeModulelist(dim=0)]
+        spec = self.operations[-1].tensor
+        operations: list[ConversionOps] = [MergeModulelist(dim=0)]
         if len(self.per_expert_targets) == 2:
             operations.append(Concatenate(dim=1))
+            if spec.interleaved:
+                operations.append(Interleave(dim=1, inverse=True))
+        if spec.transposed:
+            operations.append(Transpose(1, 2))
+        if spec.flat:
+            operations.append(_FlattenExperts())
         operations += [op.reverse_op for op in self.operations[-2::-1]]
         reverse = _MergeToFusedExperts(
             source_patterns=list(self.per_expert_targets),
@@ -150,39 +189,118 @@ class _MergeToFusedExperts(WeightConverter):
         return converted
 
 
+class _TransposeToStockShape(ConversionOps):
+    """A stock `Transpose(check_dims=True)` on a fused experts tensor (qwen3_vl_moe's): it transposes a checkpoint
+    tensor unless it already has the model's own fused parameter's shape, which LinearExperts does not have; the
+    stock shape LinearExperts records stands in. Stock saves write the model's own shape, so its reverse keeps the
+    tensor as it is."""
+
+    def __init__(self, dim0: int, dim1: int, leaf: str) -> None:
+        self.dim0, self.dim1, self.leaf = dim0, dim1, leaf
+
+    @torch.no_grad()
+    def convert(
+        self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kwargs
+    ):
+        ((key, tensor),) = input_dict.items()
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        expected = _stock_shape(kwargs["model"], kwargs["full_layer_name"], self.leaf)
+        if tuple(tensor.shape) != expected:
+            tensor = tensor.transpose(self.dim0, self.dim1)
+        return {key: tensor}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return _Unchanged()
+
+
+class _Unchanged(ConversionOps):
+    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+        return dict(input_dict)
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+def _stock_shape(model: Any, layer_name: str, leaf: str) -> tuple[int, ...]:
+    """The stock shape of `leaf` (e.g. gate_up_proj) in the swapped experts module `layer_name` lies in."""
+    return _experts_module(model, layer_name)._stock_shapes[leaf]
+
+
+def _experts_module(model: Any, layer_name: str) -> Any:
+    """The swapped experts module (a LinearExperts) the key `layer_name` lies in."""
+    parts = layer_name.split(".")
+    for end in range(len(parts), -1, -1):
+        try:
+            module = model.get_submodule(".".join(parts[:end]))
+        except AttributeError:  # a parameter's name, or a key the model does not have
+            continue
+        if hasattr(module, "_stock_shapes"):
+            return module
+    raise ValueError(f"{layer_name} is not in a layerswap experts module")
+
+
+def _own_op(op: ConversionOps, leaf: str) -> ConversionOps:
+    """A stock op on a fused experts tensor as it runs before the split."""
+    if isinstance(op, Transpose) and op.check_dims:
+        return _TransposeToStockShape(op.dim0, op.dim1, leaf)
+    return op
+
+
 def _never_matching_renaming() -> WeightRenaming:
     return WeightRenaming(source_patterns=r"(?!)", target_patterns=r"(?!)")
 
 
-def linear_experts_conversions(stock: list[WeightTransform], options: BundleOptions) -> list[WeightTransform]:
+def linear_experts_conversions(
+    stock: list[WeightTransform],
+    options: BundleOptions,
+    family_types: tuple[str, ...] = (),
+    tensors: tuple[FusedTensor, ...] | None = None,
+) -> list[WeightTransform]:
     """The ConversionEdit of the `-quant` bundles: drop the stock per-expert -> 3D merges (LinearExperts is
-    named like per-expert checkpoints already) and load fused checkpoints by splitting them."""
+    named like per-expert checkpoints already) and load fused checkpoints by splitting them. `family_types`:
+    the family's model types, whose stock lists name the per-expert projections where this list merges nothing
+    itself (a composite model's text config, whose names only the outer model type's list states). `tensors`:
+    the experts' stock parameters, where they are not the stock gate_up_proj and down_proj (biases are split
+    too)."""
+    tensors = tensors if tensors is not None else ExpertsFlags().tensors()
     layout = experts_layout(stock)
     names = layout.names
+    if not layout.per_expert_checkpoints and family_types:
+        names = stock_experts_layout(*family_types).names
     kept: list[WeightTransform] = []
     # A stock converter acting on the fused tensor itself (e.g. a transpose) runs before the split.
-    fused_ops: dict[str, tuple[list[str], list[ConversionOps]]] = {}
+    fused_ops: dict[str, tuple[str, list[str], list[ConversionOps]]] = {}
     for transform in stock:
         if is_per_expert_merge(transform):
             continue
         targets = target_patterns(transform)
         target = targets[0] if targets else ""
         if isinstance(transform, WeightConverter) and target.endswith(
-            ("experts.gate_up_proj", "experts.down_proj")
+            tuple(f"experts.{t.name}" for t in tensors)
         ):
-            fused_ops[target.rsplit(".", 1)[-1]] = (source_patterns(transform), transform.operations)
+            owner, leaf = target.rsplit(".", 1)
+            operations = [_own_op(op, leaf) for op in transform.operations]
+            fused_ops[leaf] = (owner, source_patterns(transform), operations)
             continue
         kept.append(transform)
-    prefix = layout.experts_prefix.lstrip(".")
-    for fused, projections in (("gate_up_proj", (names.gate, names.up)), ("down_proj", (names.down,))):
+    for tensor in tensors:
+        prefix = layout.experts_prefix.lstrip(".")
         # Anchored at a name boundary: `experts.down_proj` must not match `shared_experts.down_proj`.
-        targets = tuple(f"{_AT_NAME_START}{prefix}.*.{name}.weight" for name in projections)
-        sources, pre_ops = fused_ops.get(fused, ([f"{_AT_NAME_START}{re.escape(prefix)}\\.{fused}"], []))
+        sources, pre_ops = [f"{_AT_NAME_START}{re.escape(prefix)}\\.{re.escape(tensor.name)}"], []
+        if (
+            tensor.name in fused_ops
+        ):  # the stock converter's sources; the targets keep the module path it names
+            prefix, sources, pre_ops = fused_ops[tensor.name]
+        kind = "bias" if tensor.bias else "weight"
+        projections = [getattr(names, role) for role in tensor.projections]
+        targets = tuple(f"{_AT_NAME_START}{prefix}.*.{name}.{kind}" for name in projections)
         kept.append(
             FusedToLinearExperts(
                 source_patterns=sources,
-                target_patterns=f"{prefix}.0.{projections[0]}.weight",
-                operations=[*pre_ops, SplitFusedExperts(targets)],
+                target_patterns=f"{prefix}.0.{projections[0]}.{kind}",
+                operations=[*pre_ops, SplitFusedExperts(targets, tensor)],
                 per_expert_targets=targets,
                 saves_fused=not layout.per_expert_checkpoints,
             )

@@ -1,12 +1,16 @@
 """LinearExperts: MoE experts as an nn.ModuleList of plain nn.Linear, so every quantizer sees them.
 
-One generic adapter serves every family whose Experts class has the stock v5 layout ("group A"):
-`gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`, no bias, `act_fn(gate) * up`.
-It does not subclass the stock class: `_init_weights` would initialise the 3D parameters it no longer has.
+One generic adapter serves every family whose Experts class is laid out as `@use_experts_implementation`
+describes: by default `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`, no bias,
+`act_fn(gate) * up`; and each flag off its default (transposed `[E, in, out]` weights, biases, interleaved gate/up
+rows, no gate), with the class's own `_apply_gate` where it has one (gpt_oss's clamped SwiGLU). It does not subclass
+the stock class: `_init_weights` would initialise the 3D parameters it no longer has.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +20,7 @@ from torch import nn
 
 from ..._hf.compat import TRANSFORMERS_VERSION
 from ..._hf.experts import configured_implementation, layout_mismatches, own_gate
-from ...bundle import BundleOptions
+from ...bundle import BundleOptions, ExpertsFlags
 from ...errors import ExpertsImplementationError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
 from .._stock_layout import ExpertNames, stock_experts_layout
@@ -25,21 +29,31 @@ from .conversion import FusedToLinearExperts
 
 class StockGate:
     """The stock class's own `_apply_gate` (a clamped SwiGLU, say), applied to one expert's gate and up outputs
-    concatenated as the stock fused projection returns them. It runs on a copy of the stock module's plain
-    attributes and child modules (the clamp limit, the activation), so it holds no weights."""
+    joined as the stock fused projection returns them (gate then up, or interleaved). It runs on a copy of the
+    stock module's plain attributes and child modules (the clamp limit, the activation), so it holds no weights."""
 
-    def __init__(self, apply_gate: Callable[[Any, torch.Tensor], torch.Tensor], reference: nn.Module) -> None:
+    def __init__(
+        self,
+        apply_gate: Callable[[Any, torch.Tensor], torch.Tensor],
+        reference: nn.Module,
+        flags: ExpertsFlags,
+    ) -> None:
         self.apply_gate = apply_gate
+        self.is_concatenated = flags.is_concatenated
         attributes = {k: v for k, v in vars(reference).items() if not k.startswith("_")}
         self._stock = SimpleNamespace(**attributes, **dict(reference.named_children()))
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.apply_gate(self._stock, torch.cat([gate, up], dim=-1))
+        if self.is_concatenated:
+            gate_up = torch.cat([gate, up], dim=-1)
+        else:
+            gate_up = torch.stack([gate, up], dim=-1).flatten(-2)
+        return self.apply_gate(self._stock, gate_up)
 
 
 class ExpertMLP(nn.Module):
-    """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear without bias; with `stock_gate`,
-    down(stock_gate(gate(x), up(x))) instead."""
+    """One expert: down(act(gate(x)) * up(x)), each projection a plain nn.Linear (with a bias where the stock
+    experts have one); with `stock_gate`, down(stock_gate(gate(x), up(x))); without a gate, down(act(up(x)))."""
 
     def __init__(
         self,
@@ -48,20 +62,28 @@ class ExpertMLP(nn.Module):
         act_fn: nn.Module | None,
         names: ExpertNames,
         stock_gate: StockGate | None = None,
+        flags: ExpertsFlags | None = None,
     ) -> None:
         super().__init__()
+        flags = flags or ExpertsFlags()
         self.names = names
-        self.add_module(names.gate, nn.Linear(hidden_size, intermediate_size, bias=False))
-        self.add_module(names.up, nn.Linear(hidden_size, intermediate_size, bias=False))
-        self.add_module(names.down, nn.Linear(intermediate_size, hidden_size, bias=False))
+        self.has_gate = flags.has_gate
+        bias = flags.has_bias
+        if self.has_gate:
+            self.add_module(names.gate, nn.Linear(hidden_size, intermediate_size, bias=bias))
+        self.add_module(names.up, nn.Linear(hidden_size, intermediate_size, bias=bias))
+        self.add_module(names.down, nn.Linear(intermediate_size, hidden_size, bias=bias))
         self.act_fn = act_fn
         self.stock_gate = stock_gate
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Looked up by name on every call: quantizers replace the Linear children in place.
-        gate = getattr(self, self.names.gate)(hidden_states)
         up = getattr(self, self.names.up)(hidden_states)
-        hidden = self.act_fn(gate) * up if self.stock_gate is None else self.stock_gate(gate, up)
+        if not self.has_gate:
+            hidden = self.act_fn(up)
+        else:
+            gate = getattr(self, self.names.gate)(hidden_states)
+            hidden = self.act_fn(gate) * up if self.stock_gate is None else self.stock_gate(gate, up)
         return getattr(self, self.names.down)(hidden)
 
 
@@ -76,27 +98,42 @@ class LinearExperts(nn.ModuleList):
     _layerswap_original: type[nn.Module]
     _layerswap_strict = True  # a checkpoint lacking these weights is an error, never a random init
     _layerswap_bundle = "<model_type>-quant"
+    # The family's layout where its class declares none (llama4's transposed experts are undecorated).
+    _layerswap_flags: ExpertsFlags | None = None
     expert_names: ExpertNames = ExpertNames()
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        reference = _stock_reference(self._layerswap_original, config, args, kwargs)
-        num_experts, twice_intermediate, hidden_size = reference.gate_up_proj.shape
-        intermediate_size = twice_intermediate // 2
+        # The stock module, built on the meta device (no memory), to read its shapes and activation.
+        with torch.device("meta"):
+            reference = self._layerswap_original(config, *args, **kwargs)
+        num_experts, hidden_size, intermediate_size, flags, act_fn = self._read_stock(reference)
         # Experts that compute their own gate (deepseek_v4's clamped SwiGLU) keep computing it.
         apply_gate = own_gate(self._layerswap_original)
-        stock_gate = StockGate(apply_gate, reference) if apply_gate is not None else None
-        act_fn = getattr(reference, "act_fn", None)
+        stock_gate = StockGate(apply_gate, reference, flags) if apply_gate is not None else None
         super().__init__(
-            ExpertMLP(hidden_size, intermediate_size, act_fn, self.expert_names, stock_gate)
+            ExpertMLP(hidden_size, intermediate_size, act_fn, self.expert_names, stock_gate, flags)
             for _ in range(num_experts)
         )
         self.config = config
         self.num_experts = num_experts
         self.hidden_dim = hidden_size
         self.intermediate_dim = intermediate_size
+        self.flags = flags
+        # The stock parameters' shapes, for the meta stand-ins below.
+        self._stock_shapes = {name: tuple(p.shape) for name, p in reference.named_parameters(recurse=False)}
         # What the config said when the model was built (grouped_mm unless asked otherwise); see
         # _check_experts_implementation.
         self._built_experts_implementation = configured_implementation(config)
+
+    @classmethod
+    def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:
+        """(experts, hidden size, intermediate size, layout, activation) of the stock module."""
+        flags = _stock_layout_of(cls._layerswap_original, reference, cls._layerswap_flags)
+        up = reference.gate_up_proj if flags.has_gate else reference.up_proj
+        num_experts, *dims = up.shape
+        hidden_size, fused_size = dims if flags.is_transposed else dims[::-1]
+        intermediate_size = fused_size // 2 if flags.has_gate else fused_size
+        return num_experts, hidden_size, intermediate_size, flags, getattr(reference, "act_fn", None)
 
     def _layerswap_check_experts_implementation(self, requested: str) -> None:
         """Called by `model.set_experts_implementation` (while a bundle is enabled) before anything changes."""
@@ -121,16 +158,21 @@ class LinearExperts(nn.ModuleList):
         )
 
     # While transformers builds a model (inside `apply_patches`) the family's `_init_weights` sees this class under
-    # the stock name and initialises `gate_up_proj` / `down_proj`. Each expert's nn.Linear gets the same
-    # normal(0, initializer_range) init from the nn.Linear branch, so these shape-only meta stand-ins make the
-    # stock call a harmless no-op. No other transformers code reads these attributes.
-    @property
-    def gate_up_proj(self) -> torch.Tensor:
-        return torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim, device="meta")
+    # the stock name and initialises `gate_up_proj` / `down_proj` (and their biases). Each expert's nn.Linear gets
+    # the same normal(0, initializer_range) init from the nn.Linear branch, so these shape-only meta stand-ins make
+    # the stock call a harmless no-op. No other transformers code reads these attributes.
+    def _stand_in(self, name: str) -> torch.Tensor:
+        shape = self.__dict__["_stock_shapes"].get(name)
+        if shape is None:
+            raise AttributeError(f"{type(self).__name__} has no {name} (the stock class has none either)")
+        return torch.empty(shape, device="meta")
 
-    @property
-    def down_proj(self) -> torch.Tensor:
-        return torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim, device="meta")
+    gate_up_proj = property(lambda self: self._stand_in("gate_up_proj"))
+    up_proj = property(lambda self: self._stand_in("up_proj"))
+    down_proj = property(lambda self: self._stand_in("down_proj"))
+    gate_up_proj_bias = property(lambda self: self._stand_in("gate_up_proj_bias"))
+    up_proj_bias = property(lambda self: self._stand_in("up_proj_bias"))
+    down_proj_bias = property(lambda self: self._stand_in("down_proj_bias"))
 
     # --- what the loading hooks ask a swapped module (layerswap._hf) ---
 
@@ -141,8 +183,12 @@ class LinearExperts(nn.ModuleList):
         names = cls.expert_names
         if leaf == "gate_up_proj":
             return {f"{owner}.*.{names.gate}": "colwise", f"{owner}.*.{names.up}": "colwise"}
+        if leaf == "up_proj":  # gate-less experts
+            return {f"{owner}.*.{names.up}": "colwise"}
         if leaf == "down_proj":
             return {f"{owner}.*.{names.down}": "rowwise"}
+        if leaf.endswith("_bias"):  # each nn.Linear's plan shards its bias with its weight
+            return {}
         return {} if not leaf else None
 
     def _layerswap_conversions_kept_when_quantized(self) -> tuple[type, ...]:
@@ -178,48 +224,141 @@ class LinearExperts(nn.ModuleList):
         return output
 
 
-def _stock_reference(original: type[nn.Module], config: Any, args: tuple, kwargs: dict) -> nn.Module:
-    """The stock module, built on the meta device (no memory), to read its shapes and activation."""
-    with torch.device("meta"):
-        reference = original(config, *args, **kwargs)
+def _stock_layout_of(
+    original: type[nn.Module], reference: nn.Module, declared: ExpertsFlags | None
+) -> ExpertsFlags:
+    """The stock module's layout: the flags `@use_experts_implementation` set on it, or for an undecorated class
+    the family's `declared` ones; an error where LinearExperts cannot reproduce it."""
     # The expert-parallel flag does not matter: forward skips the "not on this rank" index as stock does.
     mismatches = layout_mismatches(reference, expert_parallel_ok=True)
-    shapes_ok = (
-        getattr(reference, "gate_up_proj", None) is not None
-        and getattr(reference, "down_proj", None) is not None
-        and reference.gate_up_proj.dim() == 3
-        and reference.down_proj.shape[0] == reference.gate_up_proj.shape[0]
-        and reference.down_proj.shape[1] == reference.gate_up_proj.shape[2]
-        and 2 * reference.down_proj.shape[2] == reference.gate_up_proj.shape[1]
+    found = {flag: value for flag, value, _ in mismatches}
+    flags = ExpertsFlags.of(found)
+    if not hasattr(reference, "has_gate") and declared is not None:
+        flags = declared
+    unknown = sorted(set(found) - {f.name for f in dataclasses.fields(ExpertsFlags)})
+    if (
+        not unknown
+        and _shapes_ok(reference, flags)
+        and (hasattr(reference, "act_fn") or (flags.has_gate and own_gate(original) is not None))
+    ):
+        return flags
+    shapes = {name: tuple(p.shape) for name, p in reference.named_parameters(recurse=False)}
+    raise UnsupportedTransformersError(
+        f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} has a layout "
+        f"LinearExperts does not reproduce (layout flags off the stock ones: {found}; parameters {shapes}"
+        + (f"; no adapter knows {unknown}" if unknown else "")
+        + "). This family needs its own adapter; please report it."
     )
-    has_gate = hasattr(reference, "act_fn") or own_gate(original) is not None
-    if mismatches or not shapes_ok or not has_gate:
-        found = {flag: value for flag, value, _ in mismatches}
-        raise UnsupportedTransformersError(
-            f"{original.__module__}.{original.__qualname__} in transformers {TRANSFORMERS_VERSION} does not have "
-            f"the stock fused-experts layout LinearExperts expects (found {found}, "
-            f"gate_up_proj {tuple(getattr(reference, 'gate_up_proj', torch.empty(0)).shape)}). "
-            "This family needs its own adapter; please report it."
+
+
+def _shapes_ok(reference: nn.Module, flags: ExpertsFlags) -> bool:
+    """gate_up_proj (or up_proj) and down_proj are consistent [E, out, in] stacks (transposed: [E, in, out]), with
+    [E, out] biases where the flags say so."""
+    up = getattr(reference, "gate_up_proj" if flags.has_gate else "up_proj", None)
+    down = getattr(reference, "down_proj", None)
+    if (
+        not isinstance(up, torch.Tensor)
+        or not isinstance(down, torch.Tensor)
+        or up.dim() != 3
+        or down.dim() != 3
+    ):
+        return False
+    up_out, up_in = up.shape[1:][::-1] if flags.is_transposed else up.shape[1:]
+    down_out, down_in = down.shape[1:][::-1] if flags.is_transposed else down.shape[1:]
+    intermediate = up_out // 2 if flags.has_gate else up_out
+    ok = (
+        up.shape[0] == down.shape[0]
+        and down_out == up_in
+        and down_in == intermediate
+        and (not flags.has_gate or up_out % 2 == 0)
+    )
+    if flags.has_bias:
+        up_bias = getattr(reference, "gate_up_proj_bias" if flags.has_gate else "up_proj_bias", None)
+        down_bias = getattr(reference, "down_proj_bias", None)
+        ok = ok and all(
+            isinstance(b, torch.Tensor) and tuple(b.shape) == (up.shape[0], size)
+            for b, size in ((up_bias, up_out), (down_bias, down_out))
         )
-    return reference
+    return ok
 
 
-def linear_experts_adapter(model_type: str) -> Any:
-    """An AdapterFactory building the LinearExperts subclass that replaces one family's Experts class, with
-    the projection names of that family's stock per-expert checkpoints."""
+def linear_experts_adapter(
+    bundle: str, model_types: tuple[str, ...], flags: ExpertsFlags | None = None
+) -> Any:
+    """An AdapterFactory building the LinearExperts subclass that replaces one of a family's Experts classes
+    (for `bundle`), with the projection names of the family's stock per-expert checkpoints (`model_types`: the
+    family's, its sub-configs' after it)."""
 
     def build(original: type[nn.Module], options: BundleOptions) -> type[nn.Module]:
-        names = stock_experts_layout(model_type).names
-        return type(
-            f"Linear{original.__name__}",
-            (LinearExperts,),
-            {
-                "_layerswap_original": original,
-                "_layerswap_bundle": f"{model_type}-quant",
-                "expert_names": names,
-                "__module__": __name__,
-                "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",
-            },
-        )
+        names = stock_experts_layout(*model_types).names
+        attributes = {
+            "_layerswap_original": original,
+            "_layerswap_bundle": bundle,
+            "expert_names": names,
+            "_layerswap_flags": flags,
+            "__module__": __name__,
+            "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",
+        }
+        base = _OWN_CLASSES.get(original.__name__, LinearExperts)
+        forward = _forward_named_as(original) if base is LinearExperts else None
+        if forward is not None:
+            attributes["forward"] = forward
+        return type(f"Linear{original.__name__}", (base,), attributes)
 
     return build
+
+
+def _forward_named_as(original: type[nn.Module]) -> Callable[..., torch.Tensor] | None:
+    """LinearExperts.forward under the stock forward's argument names, where they differ (gpt_oss names them
+    `router_indices` and `routing_weights`), so calls by keyword keep working; None where they are the same."""
+    signature = inspect.signature(original.forward)
+    if list(signature.parameters)[1:4] == list(inspect.signature(LinearExperts.forward).parameters)[1:4]:
+        return None
+    if list(signature.parameters)[1:] == ["hidden_states"]:
+        return _dense_forward
+
+    def forward(self: LinearExperts, *args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:4]
+        return LinearExperts.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    return forward
+
+
+def _dense_forward(self: LinearExperts, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Experts that see every token, already scaled by its routing score (llama4's): `hidden_states` is
+    [E * T, H], expert e's tokens the e-th block of T rows, and so is the output."""
+    self._check_experts_implementation()
+    blocks = hidden_states.view(self.num_experts, -1, hidden_states.shape[-1])
+    return torch.cat([expert(block) for expert, block in zip(self, blocks, strict=True)]).view(
+        -1, self.hidden_dim
+    )
+
+
+class LinearDbrxExperts(LinearExperts):
+    """dbrx's DbrxExperts, whose DbrxExpertGLU holds every expert's gate (w1), up (v1) and transposed down (w2)
+    projection stacked as [E * I, H] (the family row's tensors say so), and whose forward takes and returns
+    [B, S, H]."""
+
+    @classmethod
+    def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:
+        return (
+            reference.num_experts,
+            reference.hidden_size,
+            reference.ffn_hidden_size,
+            ExpertsFlags(),
+            reference.mlp.activation_fn,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, self.hidden_dim)
+        output = super().forward(flat, top_k_index, top_k_weights)
+        return output.view(hidden_states.shape[0], -1, self.hidden_dim)
+
+
+# Experts classes with a structure of their own, by stock class name.
+_OWN_CLASSES: dict[str, type[LinearExperts]] = {"DbrxExperts": LinearDbrxExperts}

@@ -1,0 +1,3 @@
+"""Sizes every tiny test model shares, in one module both config builders import."""
+
+VOCAB = 128

@@ -7,12 +7,15 @@ layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_con
 from __future__ import annotations
 
 from ._hf import compat as _compat  # noqa: F401  (checks the installed transformers first)
+from ._hf import records as _records
 from .bundle import Bundle, BundleOptions
 from .calibration import calibrate_all_experts
+from .checkpoints import from_pretrained, recorded_bundles
 from .errors import (
     AdapterLayoutError,
     BundleConflictError,
     BundleError,
+    CheckpointNeedsBundleError,
     CheckpointShapeError,
     ExpertsImplementationError,
     FusedQKVParallelismError,
@@ -41,6 +44,7 @@ from .swaps.fast import register_experts_backend, unregister_experts_backend
 
 __version__ = "0.1.0"
 
+_records.watch()  # save_pretrained records the bundles a checkpoint needs; loads without them raise
 watch_peft()  # PEFT checks every local adapter it loads against the model (peft_adapters.unwatch_peft undoes it)
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "BundleConflictError",
     "BundleError",
     "BundleOptions",
+    "CheckpointNeedsBundleError",
     "CheckpointShapeError",
     "ExpertsImplementationError",
     "FusedQKVParallelismError",
@@ -69,9 +74,11 @@ __all__ = [
     "disable_bundle",
     "enable_bundle",
     "enabled_bundles",
+    "from_pretrained",
     "get_bundle",
     "list_bundles",
     "record_routing",
+    "recorded_bundles",
     "register_experts_backend",
     "replay_routing",
     "report",

@@ -30,6 +30,12 @@ class MissingExpertWeightsError(BundleError):
     randomly initialised would silently corrupt the model."""
 
 
+class CheckpointNeedsBundleError(BundleError):
+    """A checkpoint whose config.json records that layerswap saved it under bundles (quantized experts saved one
+    by one), loaded without them: its weights do not fit the stock modules, which would be left randomly
+    initialised."""
+
+
 class WeightConversionError(BundleError, RuntimeError):
     """A quantizer or conversion op failed on weights the checkpoint has, so transformers skipped them (stock
     transformers raises RuntimeError for the same load; this is one too)."""

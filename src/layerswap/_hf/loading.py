@@ -16,8 +16,10 @@ from typing import Any
 from torch import nn
 
 from ..errors import CheckpointShapeError, LayerswapWarning, MissingExpertWeightsError, WeightConversionError
+from ..quantized import is_quantized_linear
 from . import quantizers
-from .active import enabled_records, swapped_modules
+from .active import enabled_records, is_swapped, swapped_modules
+from .records import check_recorded_bundles
 
 # How a conversion op's CheckpointShapeError reads in transformers' record of it (a traceback's last line).
 _SHAPE_ERROR = f"{CheckpointShapeError.__module__}.{CheckpointShapeError.__qualname__}: "
@@ -27,6 +29,8 @@ def make_guarded_finalize(original: staticmethod) -> staticmethod:
     finalize = original.__func__
 
     def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
+        # A checkpoint saved under bundles not in force: that error first, it names the bundles to enable.
+        check_recorded_bundles(model, load_config, loading_info)
         swapped = swapped_modules(model)  # one walk of the module tree for every check below
         _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
         if not _loads_no_weights_at_all(model, load_config, loading_info):
@@ -191,20 +195,90 @@ def _quantize_op_name(quantizer: Any) -> str | None:
 
 def _warn_on_bundles_that_swapped_nothing(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
     """Warn when no enabled bundle swapped anything (the wrong family was loaded), or when a bundle made for this
-    model's type swapped nothing (its classes are not the ones this model uses)."""
+    model's type swapped nothing (its classes are not the ones this model uses: another tool, such as Defuser,
+    replaced them first, or the model is of another family)."""
     swapped_classes = {type(m) for _, m in swapped}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     records = [(record.bundle, record.replacements) for record in enabled_records() if record.replacements]
-    idle = [bundle for bundle, replacements in records if not swapped_classes & replacements]
+    idle = [(bundle, replacements) for bundle, replacements in records if not swapped_classes & replacements]
     if not records or not idle:
         return
     nothing_swapped = len(idle) == len(records)
-    for bundle in idle:
-        if nothing_swapped or model_type in bundle.model_types:
+    for bundle, replacements in idle:
+        if not (nothing_swapped or model_type in bundle.model_types):
+            continue
+        stock = sorted({r._layerswap_original.__name__ for r in replacements})
+        foreign = _foreign_stand_ins(model, stock) if model_type in bundle.model_types else []
+        if foreign:
+            where, found, stock_name, has_linear = foreign[0]
+            what = (
+                "it holds nn.Linear layers already, which quantizers see without this bundle"
+                if has_linear
+                else "it holds no class this bundle can swap"
+            )
             warnings.warn(
-                f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
-                f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
-                "model's family (`layerswap list`), or disable this one.",
+                f"Bundle {bundle.name!r} swapped nothing in the {type(model).__name__} just loaded: another tool "
+                f"replaced the modules it swaps before it could. {where} is {found}, not the stock {stock_name} "
+                f"({len(foreign)} such module(s)); {what}. Disable {bundle.name!r}, or load without the "
+                f"other tool's replacement to use the bundle's (it loads both checkpoint layouts, saves the stock "
+                "one, and disable_bundle undoes it).",
                 LayerswapWarning,
                 stacklevel=4,
             )
+            continue
+        warnings.warn(
+            f"Bundle {bundle.name!r} (for {', '.join(bundle.model_types)}) swapped nothing in the "
+            f"{type(model).__name__} just loaded (model type {model_type!r}). Enable the bundle for this "
+            "model's family (`layerswap list`), or disable this one.",
+            LayerswapWarning,
+            stacklevel=4,
+        )
+
+
+# Where a model holds the modules a bundle swaps, by the stock class name's ending: the attribute names the stock
+# modeling code gives them (qwen2_moe's `mlp.experts`, `mlp.gate`, `self_attn`).
+_PLACES = {
+    "Experts": ("experts",),
+    "Router": ("gate", "router"),
+    "Attention": ("self_attn", "attn", "attention"),
+}
+
+
+def _foreign_stand_ins(model: nn.Module, stock: list[str]) -> list[tuple[str, str, str, bool]]:
+    """(module path, description, stock class name, holds linear layers) for each module standing where a stock
+    class of `stock`, absent from the model, would be, whose class is another tool's (neither transformers' nor
+    layerswap's): Defuser's `LinearQwen2MoeSparseMoeBlock` holding an nn.ModuleList of per-expert MLPs, say."""
+    modules = dict(model.named_modules())
+    present = {type(m).__name__ for m in modules.values()}
+    found = []
+    for stock_name in stock:
+        if stock_name in present:
+            continue
+        attributes = next((names for end, names in _PLACES.items() if stock_name.endswith(end)), ())
+        for path, module in modules.items():
+            if path.rpartition(".")[2] not in attributes or is_swapped(module):
+                continue
+            owner = _foreign_owner(modules, path)
+            if owner is None:
+                continue
+            owner_path, owner_class = owner
+            children = {type(m).__name__ for m in module.children()}
+            holds = type(module).__name__ + (f" of {', '.join(sorted(children))}" if children else "")
+            description = f"{owner_class.__module__}.{owner_class.__qualname__}"
+            if owner_path != path:
+                description += f" (its {path.rpartition('.')[2]}: {holds})"
+            has_linear = any(isinstance(m, nn.Linear) or is_quantized_linear(m) for m in module.modules())
+            found.append((path, description, stock_name, has_linear))
+    return found
+
+
+def _foreign_owner(modules: dict[str, nn.Module], path: str) -> tuple[str, type] | None:
+    """The module at `path`, or the nearest module above it, whose class is not transformers', torch's or
+    layerswap's; None if there is none (the module is transformers' own: a model of another family)."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        cls = type(modules[candidate])
+        if not cls.__module__.startswith(("transformers.", "torch.", "layerswap.")):
+            return candidate, cls
+    return None

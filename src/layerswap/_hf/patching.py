@@ -25,6 +25,7 @@ from ..errors import LayerswapWarning
 from .active import enabled_records, swapped_modules
 from .conversions import remember_conversions
 from .parallel import rewrite_tp_plans
+from .records import remember_bundles
 
 
 def register(class_name: str, replacement: type[nn.Module]) -> None:
@@ -167,12 +168,16 @@ def make_checked_post_init(original: Any) -> Any:
     """Every PreTrainedModel's constructor ends in post_init. A model built by its constructor outside
     transformers' apply_patches gets, when swapped (inside `use_bundle` / `apply_bundles`), the conversions in
     force (as from_config's do, so it saves the stock layout after the bundle is disabled); unswapped, a warning
-    when an enabled bundle serves its family."""
+    when an enabled bundle serves its family. Every swapped model, however built, remembers the bundles that
+    swapped it."""
 
     def post_init(self: Any) -> None:
         original(self)
+        swapped = swapped_modules(self)
+        if swapped:
+            remember_bundles(self, swapped)  # what a save in a layout only they load records (records.py)
         if not getattr(_building, "depth", 0):
-            if swapped_modules(self):
+            if swapped:
                 remember_conversions(self)
                 rewrite_tp_plans(self)
             else:

@@ -58,9 +58,11 @@ def test_the_examples_run(page, tmp_path, capsys):
     printed = capsys.readouterr().out
     if page == "README.md":
         assert re.search(r"quantized +[\d,]+ \(100\.0%\)", printed), printed
-        # As the example says: the 4-bit save loads back, every expert quantized, with the bundle enabled.
-        with layerswap.use_bundle("qwen2_moe-quant"):
-            reloaded = transformers.AutoModelForCausalLM.from_pretrained(namespace["out"])
-        assert layerswap.report(reloaded).expert_quantized_share == 1.0
+        # As the example says: the 4-bit save loads back, every expert quantized, under the bundle it records, and
+        # a load without the bundle raises.
+        assert layerswap.report(namespace["model"]).expert_quantized_share == 1.0
+        assert layerswap.recorded_bundles(namespace["out"]) == {"qwen2_moe-quant": {}}
+        with pytest.raises(layerswap.CheckpointNeedsBundleError, match="qwen2_moe-quant"):
+            transformers.AutoModelForCausalLM.from_pretrained(namespace["out"])
     if page == "docs/benchmarks.md":
         assert "15.1" in printed

@@ -41,7 +41,9 @@ Stock transformers v5 keeps each MoE layer's experts in two fused 3D parameters 
 and the quantizers below only convert `nn.Linear` modules: a stock load quantizes attention and dense layers and
 leaves every expert, most of an MoE model's weights, in full precision. A family's `-quant` bundle loads the
 same checkpoint as one `nn.Linear` per expert projection, so the quantizer converts them all; routers and 1-wide
-gates stay in full precision (`keep_unquantized`).
+gates stay in full precision (`keep_unquantized`). llm-compressor (0.14+), auto-round (0.16+) and GPTQModel
+(through Defuser) split stock v5 experts into linear layers themselves, after loading, and are not in this table;
+with them the bundle is optional (see the README for what it adds).
 
 How each row is measured: a tiny random checkpoint of the family (2 layers, 8 experts, hidden size 64; see
 tests/_support/tiny_models.py) is saved in the stock layout and loaded with
@@ -66,8 +68,34 @@ experts (it quantizes stock experts itself), so layerswap refuses it with a `-qu
 Beyond the table (tests/quantizers): checkpoints whose experts are fused 3D tensors (granitemoe's stock layout, or
 any checkpoint saved with `save_original_format=False`) load with every expert quantized by bitsandbytes nf4 and
 int8, torchao and quanto. A bitsandbytes- or torchao-quantized bundle model saves its quantized experts one by one
-and reloads with the same bundle to identical outputs (quanto models are not serializable in transformers).
+and reloads with the same bundle to identical outputs (quanto models are not serializable in transformers); the
+last section says how such a checkpoint records its bundle.
 
+"""
+
+OUTRO = """
+## Saving and reloading a quantized bundle model
+
+Quantized experts cannot be stacked back into fused 3D tensors (4-bit rows are packed with their quant states,
+int8 ones carry per-row scales), so a model quantized under a `-quant` bundle saves them one by one, a layout stock
+transformers has no conversion for. Plain transformers (tests/test_checkpoints.py loads them without layerswap
+imported) leaves torchao's experts randomly initialised (`gate_up_proj` missing, the per-expert weights unused)
+and loads bitsandbytes int8's raw bytes as the experts' weights, both with only the load report to say so; nf4
+checkpoints fail on the shapes. So:
+
+- `save_pretrained` writes `"layerswap": {"bundles": ["qwen2_moe-quant"], "options": {...}, "version": ...}`
+  into config.json when, and only when, the model holds quantized layers in modules a bundle swapped (options
+  other than the defaults, such as `keep_unquantized=()`, are recorded too: they decide which layers the checkpoint
+  holds quantized). An unquantized bundle model saves the stock layout and config.json stays exactly stock's; a
+  `layerswap` entry in a stock-layout config.json does not change what stock transformers loads.
+- With layerswap imported, loading a recorded checkpoint without its bundles raises `CheckpointNeedsBundleError`
+  before any weight is initialised, naming the bundles and the loader.
+- `layerswap.from_pretrained(AutoModelForCausalLM, path, **kwargs)` loads it under the recorded bundles and
+  options (enabled for the call only, as `use_bundle` does), to identical weights; `bundles=[...]` adds others,
+  for example to quantize a stock checkpoint in the same call. `layerswap.recorded_bundles(path)` reads the record.
+
+Without layerswap installed, nothing can stop stock transformers: load these checkpoints with layerswap, and say so
+where you publish them.
 """
 
 
@@ -98,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{index}/{len(keys)}] {key[0]} {key[1]}  {time.perf_counter() - started:.0f}s", flush=True)
 
     text = INTRO.format(header=matrix.HEADER, versions=matrix.versions_line(), machine=matrix.machine_line())
-    text += "\n".join(matrix.table_lines(keys)) + "\n"
+    text += "\n".join(matrix.table_lines(keys)) + "\n" + OUTRO
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"wrote {args.out} ({len(keys)} rows)")

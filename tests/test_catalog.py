@@ -80,7 +80,7 @@ def test_every_moe_row_has_a_quant_bundle():
             bundle = CATALOG[f"{family.model_type}-quant"]
             assert bundle.model_types == family.model_types and bundle.patches
             assert len(bundle.patches) == len(family.all_experts)
-            assert set(bundle.conversions) == set(family.model_types)
+            assert set(bundle.conversions) == set(family.conversion_keys)
 
 
 def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):

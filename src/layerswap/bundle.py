@@ -184,6 +184,9 @@ class Family:
     # conversions of each, since a sub-model is loaded by the conversions of its own model type.
     more_experts: tuple[str, ...] = ()
     sub_model_types: tuple[str, ...] = ()
+    # Model classes of the family with conversions of their own, which transformers looks up by class name
+    # before the model type (unlimited_ocr's UnlimitedOcrTextModel merges the per-expert checkpoint's experts).
+    conversion_classes: tuple[str, ...] = ()
     # The experts' layout where it is not the stock one (gpt_oss: transposed, biased, gate/up interleaved), and
     # for a class `@use_experts_implementation` cannot describe (dbrx), its stock parameters one by one.
     flags: ExpertsFlags = ExpertsFlags()
@@ -201,6 +204,11 @@ class Family:
     @property
     def model_types(self) -> tuple[str, ...]:
         return (self.model_type, *self.sub_model_types)
+
+    @property
+    def conversion_keys(self) -> tuple[str, ...]:
+        """Every key transformers looks the family's checkpoint conversions up by: model classes, model types."""
+        return (*self.conversion_classes, *self.model_types)
 
     @property
     def all_experts(self) -> tuple[str, ...]:

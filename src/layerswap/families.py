@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 
+from ._hf.conversions import has_own_conversions
 from ._hf.discovery import DiscoveredFamily, ExpertsDeclaration, discover
 from .bundle import ExpertsFlags, Family, FusedTensor
 from .swaps.replay.modules import SCORERS
@@ -100,22 +101,12 @@ TYPED: tuple[Family, ...] = (
 _REASONS: dict[str, str] = {
     "muse_spark": "a norm after each expert: needs its own adapter",
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
-    "deepseek_ocr2": "derived, but its fused checkpoint (save_original_format=False) loads under -quant with "
-    "the experts missing: not served until that is fixed",
     "diffusion_gemma": "derived, but its logits under -quant differ from stock (encoder and decoder both hold "
     "experts): not served until that is understood",
-    "dots3_note": "derived, but its vision encoder's stock conversions name per-expert fc1/fc2/fc3 weights, which "
-    "the row takes for the text experts' names: checkpoints load with the experts missing",
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
     "inkling2_loop": "transformers 5.24's apply_patches fails on its output recorder, which targets a tuple of "
     "classes (monkey_patching.py: tuple has no __name__), so no class of it can be swapped",
-    "mistral_large4": "derived, but its fused checkpoint (save_original_format=False) loads under -quant with "
-    "the experts missing: not served until that is fixed",
-    "unlimited_ocr": "derived, but its checkpoints load under -quant with the experts missing: not served until "
-    "that is fixed",
-    "qwen3_omni_moe": "derived (thinker and talker experts), but the whole omni model has no forward of its own, "
-    "so the walk's logits check does not run on it yet: not served until it does",
     "step3p7": "its own experts class (no layout flags), inside a vision-language model",
     "jetmoe": "its own experts class (JetMoeParallelExperts, no layout flags): needs its own adapter",
     "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
@@ -207,6 +198,7 @@ def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
                 more_experts=tuple(e.name for e in more),
                 flags=_flags(experts),
                 sub_model_types=tuple(t for t in found.model_types if t != primary),
+                conversion_classes=tuple(c for c in found.classes if has_own_conversions(c)),
             )
         )
     return tuple(rows), uncovered

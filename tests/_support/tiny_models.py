@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from layerswap.testing.tiny import VOCAB, auto_class, tiny_config
+from layerswap.testing.tiny import VOCAB, auto_class, text_logits, tiny_config
 
-__all__ = ["VOCAB", "auto_class", "tiny_config", "tiny_input_ids", "tiny_model"]
+__all__ = ["VOCAB", "auto_class", "text_logits", "tiny_config", "tiny_input_ids", "tiny_model"]
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

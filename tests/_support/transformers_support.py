@@ -3,6 +3,7 @@ reason (the one enable_bundle raises), so a run on the oldest supported release 
 
 import dataclasses
 import importlib
+import importlib.util
 
 import pytest
 from packaging.version import Version
@@ -23,6 +24,16 @@ def needs_bundle(name: str) -> pytest.MarkDecorator:
     bundle = layerswap.get_bundle(name)
     reasons = [r for r in map(_compat.unsupported_reason, bundle.needs) if r is not None]
     return pytest.mark.skipif(bool(reasons), reason=f"{name}: " + "; ".join(reasons))
+
+
+def needs_model_type(model_type: str) -> pytest.MarkDecorator:
+    """Skip when the installed transformers is older than the newest tested and lacks `model_type`'s modeling
+    module (a test that needs one family's own classes); on the newest tested release a missing one fails."""
+    module = f"transformers.models.{model_type}.modeling_{model_type}"
+    version = _compat.TRANSFORMERS_VERSION
+    package = importlib.util.find_spec(f"transformers.models.{model_type}")
+    missing = Version(version) < Version(_compat.NEWEST_TESTED) and package is None
+    return pytest.mark.skipif(missing, reason=f"transformers {version} has no {module} (newer model type)")
 
 
 def every_bundle_supported() -> pytest.MarkDecorator:

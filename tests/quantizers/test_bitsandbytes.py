@@ -8,7 +8,7 @@ import layerswap
 from _support.bnb import quantization_config
 from _support.families import MOE_FAMILIES
 from _support.numerics import assert_computed_close
-from _support.tiny_models import auto_class, tiny_input_ids, tiny_model
+from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
 from _support.transformers_support import needs_bundle
 
 
@@ -19,7 +19,7 @@ def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(family.model_type)
     model.save_pretrained(directory)
     with torch.no_grad():
-        logits = model(tiny_input_ids()).logits
+        logits = text_logits(model, tiny_input_ids())
     return family, directory, logits
 
 
@@ -34,7 +34,7 @@ def test_every_expert_linear_is_quantized_and_forward_runs(checkpoint, scheme):
     assert summary.expert_params > 0
     assert summary.expert_quantized_params == summary.expert_params, str(summary)
     with torch.no_grad():
-        logits = model(tiny_input_ids()).logits
+        logits = text_logits(model, tiny_input_ids())
     assert torch.isfinite(logits).all()
     # Tiny random models amplify quantization error; the bound only catches garbage (e.g. random experts).
     assert (logits - reference).abs().max() < 0.5 * reference.abs().max() + 1.0
@@ -60,7 +60,7 @@ def test_a_quantized_model_saves_and_reloads_with_the_bundle_exactly(checkpoint,
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, loaded[key]), key
     with torch.no_grad():
-        assert_computed_close(reloaded(tiny_input_ids()).logits, model(tiny_input_ids()).logits)
+        assert_computed_close(text_logits(reloaded, tiny_input_ids()), text_logits(model, tiny_input_ids()))
 
 
 @pytest.mark.parametrize("scheme", ["nf4", "int8"])
@@ -90,7 +90,7 @@ def test_a_quantized_fused_qkv_model_saves_qkv_proj_as_is_and_reloads_exactly(
     assert "model.layers.0.self_attn.qkv_proj.weight" in keys
     assert not any(".q_proj." in key for key in keys)
     with torch.no_grad():
-        assert_computed_close(reloaded(tiny_input_ids()).logits, model(tiny_input_ids()).logits)
+        assert_computed_close(text_logits(reloaded, tiny_input_ids()), text_logits(model, tiny_input_ids()))
 
 
 def test_stock_transformers_leaves_experts_unquantized_and_report_says_so(tmp_path):

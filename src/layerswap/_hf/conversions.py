@@ -10,12 +10,13 @@ that a model some of those bundles did not swap gets the list that fits it (`con
 from __future__ import annotations
 
 import copy
+import re
 import threading
 from typing import Any
 
 from torch import nn
 from transformers import conversion_mapping
-from transformers.core_model_loading import PrefixChange, WeightTransform
+from transformers.core_model_loading import PrefixChange, WeightRenaming, WeightTransform, rename_source_key
 from transformers.modeling_utils import PreTrainedModel
 
 from .active import enabled_records, swapped_modules
@@ -69,6 +70,11 @@ def _edited_list(stock: list | None, edits: list[tuple[Any, Any]]) -> list:
     return mapping
 
 
+def has_own_conversions(class_name: str) -> bool:
+    """Whether transformers registers checkpoint conversions under this model class's name."""
+    return class_name in _cache()
+
+
 def stock_conversions(model_type: str) -> list | None:
     """A copy of `model_type`'s conversion list as transformers had it before any bundle edited it."""
     with _lock:
@@ -92,7 +98,9 @@ def conversion_overrides(model: nn.Module) -> dict[str, list | None]:
 
 def _overrides(model: nn.Module, records: list) -> dict[str, list | None]:
     modules = list(model.modules())
-    model_types = {m.config.model_type for m in modules if isinstance(m, PreTrainedModel)}
+    models = [m for m in modules if isinstance(m, PreTrainedModel)]
+    # transformers looks a sub-model's conversions up by its class name first, then by its model type.
+    model_types = {m.config.model_type for m in models} | {type(m).__name__ for m in models}
     classes = {type(m) for m in modules}
     overrides: dict[str, list | None] = {}
     for model_type in sorted(model_types & set(_edited)):
@@ -135,15 +143,49 @@ def make_per_model_conversions(original: Any) -> Any:
     def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> Any:
         overrides = conversion_overrides(model)
         if not overrides:
-            return original(model, *args, **kwargs)
+            return _keeping_stock_names(model, original(model, *args, **kwargs))
         previous = getattr(_conversion_overrides, "lists", None)
         _conversion_overrides.lists = {**(previous or {}), **overrides}
         try:
-            return original(model, *args, **kwargs)
+            return _keeping_stock_names(model, original(model, *args, **kwargs))
         finally:
             _conversion_overrides.lists = previous
 
     return get_model_conversion_mapping
+
+
+class _KeepStockName(WeightRenaming):
+    """Undoes the renamings' change to a key that is already the stock model's own name; load-only."""
+
+    def reverse_transform(self) -> WeightTransform:
+        return WeightRenaming(source_patterns=r"(?!)", target_patterns=r"(?!)")
+
+
+def _keeping_stock_names(model: nn.Module, conversions: Any) -> Any:
+    """transformers renames a checkpoint key and, when the model lacks the renamed key but has the original one,
+    loads it under its original name: that is how a v5 checkpoint saved with `save_original_format=False`
+    loads in families whose renamings expect the original hub layout (mistral_large4 turns `.experts.` into
+    `.mlp.experts.`, deepseek_ocr2 prefixes `model.language_model.` again). A swapped module no longer has the
+    stock parameter names, so that fallback cannot happen and its weights would load nowhere. This appends a
+    renaming that maps each such renamed stock name back (one per name with the layer index as a wildcard), so
+    the swap's own conversions see the stock name, as they do in every other family."""
+    if not isinstance(conversions, list):
+        return conversions
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    if not renamings:
+        return conversions
+    undo: dict[str, str] = {}
+    for path, module in swapped_modules(model):
+        for name in getattr(module, "_layerswap_stock_parameter_names", ()):
+            key = f"{path}.{name}"
+            renamed, _ = rename_source_key(key, renamings, [])
+            if renamed != key:
+                source = "^" + re.sub(r"\\.(\d+)\\.", r"\\.(\\d+)\\.", re.escape(renamed), count=1) + "$"
+                undo.setdefault(source, re.sub(r"\.\d+\.", r".\\1.", key, count=1))
+    extra = [
+        _KeepStockName(source_patterns=source, target_patterns=target) for source, target in undo.items()
+    ]
+    return conversions + extra if extra else conversions
 
 
 def make_overridable_checkpoint_conversions(original: Any) -> Any:

@@ -25,6 +25,7 @@ _EXPERTS = re.compile(
     r"^(?P<decorator>@use_experts_implementation(?:\((?P<arguments>[^)]*)\))?\n)?class (?P<name>\w*Experts)\(",
     re.M,
 )
+_CLASS = re.compile(r"^class (\w+)\(", re.M)
 _NEXT_TOP_LEVEL = re.compile(r"^(?:class |@|def )", re.M)
 _ROUTER = re.compile(r"^class (?P<name>\w*(?:Router|Gate))\(nn\.Module\):", re.M)
 _ATTENTION = re.compile(
@@ -66,6 +67,7 @@ class DiscoveredFamily:
     experts: tuple[ExpertsDeclaration, ...]
     routers: tuple[str, ...]  # classes named *Router / *Gate
     attentions: tuple[str, ...]  # attention classes that assign separate q_proj, k_proj and v_proj
+    classes: tuple[str, ...] = ()  # every top-level class the module defines
 
     @property
     def modeling_module(self) -> str:
@@ -121,6 +123,7 @@ def discover() -> tuple[DiscoveredFamily, ...]:
                 experts=experts,
                 routers=tuple(m["name"] for m in _ROUTER.finditer(source)),
                 attentions=tuple(m["name"] for m in _ATTENTION.finditer(source) if _separate_qkv(m["body"])),
+                classes=tuple(_CLASS.findall(source)),
             )
         )
     return tuple(families)

@@ -3,6 +3,6 @@ random configs of every catalog family, and a fresh-process load probe (`layersw
 
 from __future__ import annotations
 
-from .tiny import VOCAB, auto_class, tiny_config
+from .tiny import VOCAB, auto_class, text_logits, tiny_config
 
-__all__ = ["VOCAB", "auto_class", "tiny_config"]
+__all__ = ["VOCAB", "auto_class", "text_logits", "tiny_config"]

@@ -307,7 +307,11 @@ _FAMILY: dict[str, dict[str, dict[str, Any]]] = {
     # code2wav: a small codebook and decoder.
     "qwen3_omni_moe": {
         "thinker_config.text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}},
+        # The thinker's rope index reads vision_start_token_id, which only the talker's config declares (real
+        # checkpoints carry it in thinker_config as an extra attribute); one small id for both.
+        "thinker_config": {"vision_start_token_id": 125},
         "talker_config": {
+            "vision_start_token_id": 125,
             "thinker_hidden_size": TEXT_HIDDEN,
             "accept_hidden_layer": 1,
             "codec_pad_id": 120,

@@ -6,7 +6,7 @@ in_features >= 64 (hidden 64, intermediate 64/128, head_dim 16).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import (
     AutoConfig,
@@ -24,6 +24,9 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from ._sizes import VOCAB
+
+if TYPE_CHECKING:
+    import torch
 
 # Attributes that shrink a config, set only where the family's config has them.
 _COMMON: dict[str, Any] = {
@@ -169,6 +172,13 @@ def auto_class(model_type: str) -> type:
     ):
         return AutoModelForTokenClassification
     return AutoModelForCausalLM
+
+
+def text_logits(model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The logits of `model`'s language model for `input_ids`: its own forward's, or, for an omni model whose
+    top-level class only generates (qwen3_omni_moe), its thinker's."""
+    thinker = getattr(model, "thinker", None)
+    return (thinker if thinker is not None else model)(input_ids, **kwargs).logits
 
 
 # Flat configs whose tiny settings the composite recipe derives (mistral4: MLA head sizes from its nope/rope dims).

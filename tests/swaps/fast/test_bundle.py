@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 import layerswap
 from _support.checkpoints import assert_state_dicts_identical
 from _support.families import FAST_FAMILIES, MOE_FAMILIES
-from _support.tiny_models import auto_class, tiny_input_ids, tiny_model
+from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
 from layerswap.errors import BundleConflictError
 from layerswap.swaps.fast.modules import FusedExpertsForwardMixin
 from layerswap.swaps.fused_qkv.modules import FusedQKVAttention
@@ -18,7 +18,7 @@ def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path)
     stock = tiny_model(family.model_type)
     stock.save_pretrained(tmp_path / "stock")
     with torch.no_grad():
-        expected = stock(tiny_input_ids()).logits
+        expected = text_logits(stock, tiny_input_ids())
     with layerswap.use_bundle(f"{family.model_type}-fast"):
         model, info = auto_class(family.model_type).from_pretrained(
             tmp_path / "stock", output_loading_info=True, attn_implementation="eager"
@@ -29,7 +29,7 @@ def test_fast_bundle_matches_stock_and_saves_stock_checkpoints(family, tmp_path)
     if family.attention is not None:
         assert any(isinstance(m, FusedQKVAttention) for m in model.modules())
     with torch.no_grad():
-        torch.testing.assert_close(model(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(text_logits(model, tiny_input_ids()), expected, atol=1e-5, rtol=1e-5)
     reloaded, info = auto_class(family.model_type).from_pretrained(
         tmp_path / "saved", output_loading_info=True
     )
@@ -53,7 +53,7 @@ def test_fast_composes_with_fused_qkv(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         torch.testing.assert_close(
-            model(tiny_input_ids()).logits, stock(tiny_input_ids()).logits, atol=1e-5, rtol=1e-5
+            text_logits(model, tiny_input_ids()), text_logits(stock, tiny_input_ids()), atol=1e-5, rtol=1e-5
         )
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert_state_dicts_identical(stock, reloaded)

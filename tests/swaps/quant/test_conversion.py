@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import layerswap
 from _support.checkpoints import assert_state_dicts_identical, drop_keys, read_checkpoint
 from _support.families import MOE_FAMILIES
-from _support.tiny_models import auto_class, tiny_input_ids, tiny_model
+from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
 from _support.transformers_support import needs_bundle
 from layerswap.errors import MissingExpertWeightsError
 from layerswap.swaps.quant.modules import LinearExperts
@@ -24,7 +24,7 @@ def _router_outputs(model, family, input_ids):
         if type(m).__name__ == family.router
     ]
     with torch.no_grad():
-        logits = model(input_ids).logits
+        logits = text_logits(model, input_ids)
     for handle in handles:
         handle.remove()
     return logits, outputs
@@ -118,10 +118,10 @@ def test_from_config_model_saves_stock_layout(model_type, tmp_path):
     with layerswap.use_bundle(f"{model_type}-quant"):
         model = tiny_model(model_type)
         model.save_pretrained(tmp_path / "ours")
-        expected = model(tiny_input_ids()).logits
+        expected = text_logits(model, tiny_input_ids())
     stock, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    torch.testing.assert_close(stock(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(text_logits(stock, tiny_input_ids()), expected, atol=1e-5, rtol=1e-5)
     stock.save_pretrained(tmp_path / "stock")
     ours, theirs = read_checkpoint(tmp_path / "ours"), read_checkpoint(tmp_path / "stock")
     assert set(ours) == set(theirs)
@@ -135,11 +135,11 @@ def test_a_model_built_under_a_bundle_saves_stock_layout_after_the_bundle_is_dis
     model_type = bundle.split("-")[0]
     with layerswap.use_bundle(bundle):
         model = tiny_model(model_type)
-    expected = model(tiny_input_ids()).logits
+    expected = text_logits(model, tiny_input_ids())
     model.save_pretrained(tmp_path)  # no bundle enabled any more
     stock, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    torch.testing.assert_close(stock(tiny_input_ids()).logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(text_logits(stock, tiny_input_ids()), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_checkpoint_splits_without_copies_into_weights_that_savers_see_as_separate(tmp_path):

@@ -8,6 +8,7 @@ from torch import nn
 
 from _support.families import MOE_FAMILIES
 from _support.tiny_models import tiny_config
+from _support.transformers_support import needs_model_type
 from layerswap._hf import compat as _compat
 from layerswap._hf.experts import STOCK_LAYOUT_FLAGS
 from layerswap.bundle import BundleOptions
@@ -104,6 +105,7 @@ def test_experts_without_tokens_and_gradients_flow():
     assert getattr(linear[2], gate).weight.grad is None
 
 
+@needs_model_type("muse_spark")
 def test_layout_no_adapter_has_is_refused_with_the_class_name_and_flags():
     # muse_spark's experts apply a norm after each expert: a flag LinearExperts does not reproduce.
     from transformers import AutoConfig

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 import layerswap
 from _support.families import INSTALLED_FAMILIES
 from _support.numerics import assert_computed_close
-from _support.tiny_models import tiny_input_ids, tiny_model
+from _support.tiny_models import text_logits, tiny_input_ids, tiny_model
 from layerswap._hf import compat as _compat
 from layerswap.catalog import CATALOG
 from layerswap.families import FAMILIES, TYPED, families_without_replay
@@ -106,11 +106,11 @@ def test_replay_with_unchanged_weights_reproduces_stock_exactly(model_type, over
     input_ids = tiny_input_ids()
     with torch.no_grad():
         with record_routing(stock) as stock_routing:
-            expected = stock(input_ids).logits
+            expected = text_logits(stock, input_ids)
         with record_routing(replayable) as recorded:
-            unreplayed = replayable(input_ids).logits
+            unreplayed = text_logits(replayable, input_ids)
         with replay_routing(replayable, recorded.selected_experts):
-            replayed = replayable(input_ids).logits
+            replayed = text_logits(replayable, input_ids)
     assert torch.equal(unreplayed, expected), "with no replay set the router must be exactly stock"
     for ours, theirs in zip(recorded.selected_experts, stock_routing.selected_experts, strict=True):
         assert torch.equal(ours, theirs)
@@ -202,7 +202,7 @@ def test_from_pretrained_loads_a_stock_checkpoint_with_no_missing_keys(model_typ
     assert all(isinstance(router, ReplayableRouter) for _, router in moe_routers(model))
     input_ids = tiny_input_ids()
     with torch.no_grad():
-        assert_computed_close(model.eval()(input_ids).logits, stock(input_ids).logits)
+        assert_computed_close(text_logits(model.eval(), input_ids), text_logits(stock, input_ids))
 
 
 @pytest.mark.parametrize("model_type", REPLAY_TYPES)
@@ -213,12 +213,12 @@ def test_rows_of_minus_one_take_the_live_routers_choice(model_type):
     input_ids = tiny_input_ids()
     with torch.no_grad():
         with record_routing(stock) as stock_routing:
-            expected = stock(input_ids).logits
+            expected = text_logits(stock, input_ids)
         partly_live = [t.clone() for t in stock_routing.selected_experts]
         for tensor in partly_live:
             tensor[2:9] = -1
         with replay_routing(replayable, partly_live), record_routing(replayable) as replayed:
-            logits = replayable(input_ids).logits
+            logits = text_logits(replayable, input_ids)
     for ours, theirs in zip(replayed.selected_experts, stock_routing.selected_experts, strict=True):
         assert torch.equal(ours, theirs)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())

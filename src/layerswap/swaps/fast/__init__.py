@@ -41,7 +41,7 @@ def build(family: Family) -> Bundle | None:
     patches = [
         Patch(family.modeling_module, experts, fused_experts_adapter) for experts in family.all_experts
     ]
-    conversions = dict.fromkeys(family.model_types, shape_checked_expert_merges)
+    conversions = dict.fromkeys(family.conversion_keys, shape_checked_expert_merges)
     fused_attention = fused_qkv.serves(family)
     if fused_attention:
         patches.append(Patch(family.modeling_module, family.attention, fused_qkv.fused_qkv_adapter))

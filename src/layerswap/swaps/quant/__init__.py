@@ -16,9 +16,9 @@ __all__ = ["LinearExperts", "build", "linear_experts_adapter", "linear_experts_c
 def build(family: Family) -> Bundle | None:
     if family.experts is None:
         return None
-    adapter = linear_experts_adapter(f"{family.model_type}-quant", family.model_types, family.flags)
+    adapter = linear_experts_adapter(f"{family.model_type}-quant", family.conversion_keys, family.flags)
     edit = functools.partial(
-        linear_experts_conversions, family_types=family.model_types, tensors=family.fused_tensors
+        linear_experts_conversions, family_types=family.conversion_keys, tensors=family.fused_tensors
     )
     return Bundle.for_family(
         family,
@@ -29,5 +29,5 @@ def build(family: Family) -> Bundle | None:
             "saves the stock layout."
         ),
         patches=tuple(Patch(family.modeling_module, experts, adapter) for experts in family.all_experts),
-        conversions=dict.fromkeys(family.model_types, edit),
+        conversions=dict.fromkeys(family.conversion_keys, edit),
     )

@@ -30,6 +30,7 @@ from ...bundle import BundleOptions, ExpertsFlags, FusedTensor
 from .._stock_layout import experts_layout, is_per_expert_merge, stock_experts_layout
 
 _AT_NAME_START = r"(?<![^.])"
+_AT_NAME_END = r"(?![^.])"
 
 
 class SplitFusedExperts(ConversionOps):
@@ -287,8 +288,10 @@ def linear_experts_conversions(
         kept.append(transform)
     for tensor in tensors:
         prefix = layout.experts_prefix.lstrip(".")
-        # Anchored at a name boundary: `experts.down_proj` must not match `shared_experts.down_proj`.
-        sources, pre_ops = [f"{_AT_NAME_START}{re.escape(prefix)}\\.{re.escape(tensor.name)}"], []
+        # Anchored at name boundaries: `experts.down_proj` must match neither `shared_experts.down_proj` nor
+        # `experts.down_proj_bias` (transformers 5.15 hands a key to the first converter whose pattern it contains).
+        sources = [f"{_AT_NAME_START}{re.escape(prefix)}\\.{re.escape(tensor.name)}{_AT_NAME_END}"]
+        pre_ops: list[ConversionOps] = []
         if (
             tensor.name in fused_ops
         ):  # the stock converter's sources; the targets keep the module path it names

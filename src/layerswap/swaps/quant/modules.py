@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
-from types import SimpleNamespace
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -101,6 +101,9 @@ class LinearExperts(nn.ModuleList):
     # The family's layout where its class declares none (llama4's transposed experts are undecorated).
     _layerswap_flags: ExpertsFlags | None = None
     expert_names: ExpertNames = ExpertNames()
+    # Sub-models whose checkpoints name the projections otherwise, by config model type (dots3_note's vision
+    # tower: fc1, fc3, fc2 where its text model has gate_proj, up_proj, down_proj).
+    _layerswap_names_by_model_type: Mapping[str, ExpertNames] = MappingProxyType({})
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # The stock module, built on the meta device (no memory), to read its shapes and activation.
@@ -110,6 +113,9 @@ class LinearExperts(nn.ModuleList):
         # Experts that compute their own gate (deepseek_v4's clamped SwiGLU) keep computing it.
         apply_gate = own_gate(self._layerswap_original)
         stock_gate = StockGate(apply_gate, reference, flags) if apply_gate is not None else None
+        self.expert_names = self._layerswap_names_by_model_type.get(
+            getattr(config, "model_type", None), self.expert_names
+        )
         super().__init__(
             ExpertMLP(hidden_size, intermediate_size, act_fn, self.expert_names, stock_gate, flags)
             for _ in range(num_experts)
@@ -124,6 +130,11 @@ class LinearExperts(nn.ModuleList):
         # What the config said when the model was built (grouped_mm unless asked otherwise); see
         # _check_experts_implementation.
         self._built_experts_implementation = configured_implementation(config)
+
+    @property
+    def _layerswap_stock_parameter_names(self) -> tuple[str, ...]:
+        """The stock module's parameters, as a v5 checkpoint names them (`gate_up_proj`, `down_proj`, ...)."""
+        return tuple(self._stock_shapes)
 
     @classmethod
     def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:
@@ -291,10 +302,18 @@ def linear_experts_adapter(
 
     def build(original: type[nn.Module], options: BundleOptions) -> type[nn.Module]:
         names = stock_experts_layout(*model_types).names
+        own = {t: stock_experts_layout(t) for t in model_types}
         attributes = {
             "_layerswap_original": original,
             "_layerswap_bundle": bundle,
             "expert_names": names,
+            "_layerswap_names_by_model_type": MappingProxyType(
+                {
+                    t: layout.names
+                    for t, layout in own.items()
+                    if layout.per_expert_checkpoints and layout.names != names
+                }
+            ),
             "_layerswap_flags": flags,
             "__module__": __name__,
             "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",

@@ -107,7 +107,6 @@ _REASONS: dict[str, str] = {
     "vision_moe), which the conversions do not tell apart: loading fails",
     "inkling2_loop": "transformers 5.24's apply_patches fails on its output recorder, which targets a tuple of "
     "classes (monkey_patching.py: tuple has no __name__), so no class of it can be swapped",
-    "step3p7": "its own experts class (no layout flags), inside a vision-language model",
     "jetmoe": "its own experts class (JetMoeParallelExperts, no layout flags): needs its own adapter",
     "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
     "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "
@@ -132,6 +131,8 @@ _GENERATIVE = (
 _UNDECLARED_FLAGS: dict[str, ExpertsFlags] = {
     # gate_up_proj [E, H, 2I] and down_proj [E, I, H], multiplied as `x @ w`; gate columns first.
     "Llama4TextExperts": ExpertsFlags(is_transposed=True),
+    # The stock layout, with its own clamped SwiGLU (`_apply_gate`, the clamp limit per layer).
+    "Step3p7Experts": ExpertsFlags(),
 }
 
 

@@ -345,6 +345,8 @@ _FAMILY: dict[str, dict[str, dict[str, Any]]] = {
     # experts included, to the encoder's; pass tie_word_embeddings=True to get the checkpoint-like sharing
     # (verified: builds, forwards, reloads bitwise; encoder/decoder experts are distinct modules sharing tensors).
     "diffusion_gemma": {"": {"canvas_length": 8}},
+    # Its decoder builds a sliding-window mask for every forward, full-attention layers only or not: None fails.
+    "step3p7": {"text_config": {"sliding_window": 16}},
     # The routed experts' width is intermediate_size (dense layers use dense_intermediate_size).
     "minimax_m3_vl": {"text_config": {"intermediate_size": 64}},
     # The vision encoder plans one pixel-shuffle scale per layer; with fewer layers than planned scales it needs

@@ -89,6 +89,7 @@ def test_checkpoint_without_expert_weights_is_an_error_naming_the_keys(stock_che
                     "experts.fc1.weight",
                     "experts.mlp.w1",
                     "experts.w13_weight",
+                    ".moe.up_proj.weight",  # step3p7: gate and up stacked separately
                 )
             )
         ),

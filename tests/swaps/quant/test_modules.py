@@ -124,19 +124,32 @@ def test_class_name_says_what_it_replaces():
     assert isinstance(linear, LinearExperts)
 
 
-# A custom _apply_gate (deepseek_v4's and hy_v4's clamped SwiGLU) changes what each expert computes: LinearExperts
-# must compute it too. The limit is set low enough that the clamp changes the outputs (a tiny random model with the
-# default limit would never reach it, and a LinearExperts ignoring the gate would pass).
-def test_experts_with_their_own_gate_keep_computing_it():
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
-
-    config = tiny_config("deepseek_v4", swiglu_limit=0.05)
-    stock = DeepseekV4Experts(config)
+# A custom _apply_gate (deepseek_v4's and hy_v4's clamped SwiGLU, step3p7's per-layer one) changes what each expert
+# computes: LinearExperts must compute it too. The limit is set low enough that the clamp changes the outputs (a tiny
+# random model with the default limit would never reach it, and a LinearExperts ignoring the gate would pass).
+@pytest.mark.parametrize(
+    ("model_type", "experts_class", "config_limit", "constructor_limit"),
+    [
+        ("deepseek_v4", "DeepseekV4Experts", {"swiglu_limit": 0.05}, {}),
+        # The limit is the layer's entry of swiglu_limits, passed to the constructor by the MoE block.
+        pytest.param(
+            "step3p7", "Step3p7Experts", {}, {"swiglu_limit": 0.05}, marks=needs_model_type("step3p7")
+        ),
+    ],
+)
+def test_experts_with_their_own_gate_keep_computing_it(
+    model_type, experts_class, config_limit, constructor_limit
+):
+    original = getattr(
+        importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"), experts_class
+    )
+    config = tiny_config(model_type, **config_limit).get_text_config()
+    stock = original(config, **constructor_limit)
     for parameter in stock.parameters():
         torch.nn.init.normal_(parameter, std=0.5)
-    linear = linear_experts_adapter("deepseek_v4-quant", ("deepseek_v4",))(
-        DeepseekV4Experts, BundleOptions()
-    )(config)
+    linear = linear_experts_adapter(f"{model_type}-quant", (model_type,))(original, BundleOptions())(
+        config, **constructor_limit
+    )
     names = linear.expert_names
     for e, expert in enumerate(linear):
         gate, up = stock.gate_up_proj.data[e].chunk(2, dim=0)

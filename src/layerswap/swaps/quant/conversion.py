@@ -9,6 +9,7 @@ layout: per-expert for families whose stock conversions merge per-expert keys, f
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from typing import Any
@@ -298,14 +299,40 @@ def linear_experts_conversions(
             prefix, sources, pre_ops = fused_ops[tensor.name]
         kind = "bias" if tensor.bias else "weight"
         projections = [getattr(names, role) for role in tensor.projections]
-        targets = tuple(f"{_AT_NAME_START}{prefix}.*.{name}.{kind}" for name in projections)
-        kept.append(
-            FusedToLinearExperts(
-                source_patterns=sources,
-                target_patterns=f"{prefix}.0.{projections[0]}.{kind}",
-                operations=[*pre_ops, SplitFusedExperts(targets, tensor)],
-                per_expert_targets=targets,
-                saves_fused=not layout.per_expert_checkpoints,
+        if _stacks_one_tensor_per_projection(sources, pre_ops, tensor):
+            # step3p7's checkpoints stack gate and up separately ([E, I, H] each), which the stock converter
+            # concatenates: each stack splits into its own projection, and saves back to its own key (a reverse
+            # from the joined gate_up would be many-to-many, which transformers refuses).
+            parts = [
+                (source, dataclasses.replace(tensor, projections=(role,)), name)
+                for source, role, name in zip(sources, tensor.projections, projections, strict=True)
+            ]
+        else:
+            parts = [(sources, tensor, None)]
+        for part_sources, part, only in parts:
+            part_projections = [only] if only else projections
+            targets = tuple(f"{_AT_NAME_START}{prefix}.*.{name}.{kind}" for name in part_projections)
+            kept.append(
+                FusedToLinearExperts(
+                    source_patterns=part_sources,
+                    target_patterns=f"{prefix}.0.{part_projections[0]}.{kind}",
+                    operations=[*([] if only else pre_ops), SplitFusedExperts(targets, part)],
+                    per_expert_targets=targets,
+                    saves_fused=not layout.per_expert_checkpoints,
+                )
             )
-        )
     return kept
+
+
+def _stacks_one_tensor_per_projection(
+    sources: list[str], pre_ops: list[ConversionOps], tensor: FusedTensor
+) -> bool:
+    """The stock converter joins one stacked [E, N, K] tensor per projection along N (Concatenate(dim=1))."""
+    return (
+        len(tensor.projections) > 1
+        and len(sources) == len(tensor.projections)
+        and len(pre_ops) == 1
+        and isinstance(pre_ops[0], Concatenate)
+        and pre_ops[0].dim == 1
+        and not tensor.interleaved
+    )

@@ -101,8 +101,6 @@ TYPED: tuple[Family, ...] = (
 _REASONS: dict[str, str] = {
     "muse_spark": "a norm after each expert: needs its own adapter",
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
-    "diffusion_gemma": "derived, but its logits under -quant differ from stock (encoder and decoder both hold "
-    "experts): not served until that is understood",
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
     "inkling2_loop": "transformers 5.24's apply_patches fails on its output recorder, which targets a tuple of "

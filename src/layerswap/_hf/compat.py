@@ -83,6 +83,12 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_MU, "patch_output_recorders", "5.3", "wrapped: journals `_can_record_outputs` to restore it"),
     Internal(
         _MU,
+        "PreTrainedModel._tied_weights_keys",
+        "5.0",
+        "a swapped model's tie patterns that name stock experts parameters name its per-expert ones",
+    ),
+    Internal(
+        _MU,
         "PreTrainedModel._finalize_model_loading",
         "5.2",
         "wrapped: refuses missing swapped weights, keeps quantized swapped layers saving as loaded",

@@ -34,7 +34,7 @@ def make_guarded_finalize(original: staticmethod) -> staticmethod:
         swapped = swapped_modules(model)  # one walk of the module tree for every check below
         _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
         if not _loads_no_weights_at_all(model, load_config, loading_info):
-            _raise_on_missing_swapped_weights(swapped, load_config, loading_info)
+            _raise_on_missing_swapped_weights(model, swapped, load_config, loading_info)
         result = finalize(model, load_config, loading_info)
         _warn_on_bundles_that_swapped_nothing(model, swapped)
         if getattr(load_config, "hf_quantizer", None) is not None and swapped:
@@ -114,12 +114,19 @@ def _loads_no_weights_at_all(model: nn.Module, load_config: Any, loading_info: A
 
 
 def _raise_on_missing_swapped_weights(
-    swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
+    model: nn.Module, swapped: list[tuple[str, nn.Module]], load_config: Any, loading_info: Any
 ) -> None:
     prefixes = [name + "." for name, module in swapped if getattr(module, "_layerswap_strict", False)]
     if not prefixes:
         return
-    missing = sorted(k for k in loading_info.missing_keys if any(k.startswith(p) for p in prefixes))
+    # A weight tied to one the checkpoint has is not missing: finalizing ties it (diffusion_gemma's encoder
+    # experts are its decoder's, and a checkpoint holds them once).
+    tied = _tied_weights(model)
+    missing = sorted(
+        k
+        for k in loading_info.missing_keys
+        if any(k.startswith(p) for p in prefixes) and (k not in tied or tied[k] in loading_info.missing_keys)
+    )
     if not missing:
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
@@ -135,6 +142,12 @@ def _raise_on_missing_swapped_weights(
         f"family ({layouts}); to start from random weights on purpose, use from_config instead of from_pretrained."
         f"{conversion_note}"
     )
+
+
+def _tied_weights(model: nn.Module) -> dict[str, str]:
+    """Every tied parameter of `model` and the one it is tied to, sub-models' included."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    return expand(all_submodels=True) if expand is not None else {}
 
 
 def _raise_on_failed_quantization(

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import warnings
@@ -172,8 +173,10 @@ def make_checked_post_init(original: Any) -> Any:
     swapped it."""
 
     def post_init(self: Any) -> None:
-        original(self)
         swapped = swapped_modules(self)
+        if swapped:
+            tie_swapped_parameters(self)  # before post_init expands the tie patterns
+        original(self)
         if swapped:
             remember_bundles(self, swapped)  # what a save in a layout only they load records (records.py)
         if not getattr(_building, "depth", 0):
@@ -218,3 +221,28 @@ def _warn_on_unswapped_construction(model: nn.Module) -> None:
                 stacklevel=4,
             )
             return
+
+
+# A swapped experts module's parameters, where a tie pattern named one of its stock parameters: any of its
+# per-expert projections' weights and biases.
+_PER_EXPERT_PARAMETER = r"\d+\.[^.]+\.(?:weight|bias)"
+
+
+def tie_swapped_parameters(model: nn.Module) -> None:
+    """Rewrite `model._tied_weights_keys` patterns that end in a swapped experts module's stock parameter name
+    (diffusion_gemma ties its decoder's `...experts.gate_up_proj` to its encoder's) to that module's per-expert
+    parameters. post_init expands each pattern over the model's parameters and raises when one matches nothing, so
+    left as they are, they would make the swapped model unbuildable. Set on the instance: the class keeps its own."""
+    mapping = getattr(model, "_tied_weights_keys", None)
+    stock_names = {
+        name for module in model.modules() for name in getattr(module, "_layerswap_stock_parameter_names", ())
+    }
+    if not isinstance(mapping, dict) or not stock_names:
+        return
+    # The name whole: at the pattern's start, or after a dot, a `*` or a group (`(?:[^.]+\\.)*gate_up_proj`).
+    names = "|".join(map(re.escape, sorted(stock_names)))
+    ending = re.compile(rf"(?:^|(?<=[.*)]))(?:{names})$")
+    per_expert = lambda pattern: ending.sub(lambda _: _PER_EXPERT_PARAMETER, pattern)  # noqa: E731
+    rewritten = {per_expert(k): per_expert(v) for k, v in mapping.items()}
+    if rewritten != mapping:
+        model._tied_weights_keys = rewritten

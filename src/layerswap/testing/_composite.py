@@ -341,9 +341,8 @@ _FAMILY: dict[str, dict[str, dict[str, Any]]] = {
         }
     },
     # The decoder denoises a 256-token canvas by default: 8 keeps the forward small.
-    # NB: the root tie_word_embeddings (True by default, False here via _ROOT) also ties the decoder's layers,
-    # experts included, to the encoder's; pass tie_word_embeddings=True to get the checkpoint-like sharing
-    # (verified: builds, forwards, reloads bitwise; encoder/decoder experts are distinct modules sharing tensors).
+    # The root tie_word_embeddings (True by default, False here via _ROOT) also ties the decoder's layers, experts
+    # included, to the encoder's, as published checkpoints do: tests pass tie_word_embeddings=True for that.
     "diffusion_gemma": {"": {"canvas_length": 8}},
     # Its decoder builds a sliding-window mask for every forward, full-attention layers only or not: None fails.
     "step3p7": {"text_config": {"sliding_window": 16}},

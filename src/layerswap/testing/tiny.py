@@ -6,8 +6,9 @@ in_features >= 64 (hidden 64, intermediate 64/128, head_dim 16).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -24,9 +25,6 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from ._sizes import VOCAB
-
-if TYPE_CHECKING:
-    import torch
 
 # Attributes that shrink a config, set only where the family's config has them.
 _COMMON: dict[str, Any] = {
@@ -178,6 +176,14 @@ def text_logits(model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Ten
     """The logits of `model`'s language model for `input_ids`: its own forward's, or, for an omni model whose
     top-level class only generates (qwen3_omni_moe), its thinker's."""
     thinker = getattr(model, "thinker", None)
+    canvas_length = getattr(model.config, "canvas_length", None)
+    if canvas_length is not None and "decoder_input_ids" not in kwargs:
+        # A block-diffusion model (diffusion_gemma) denoises a canvas it draws at random when none is given: a
+        # fixed one makes two models' logits comparable.
+        canvas = (
+            torch.arange(canvas_length, device=input_ids.device) % model.config.get_text_config().vocab_size
+        )
+        kwargs["decoder_input_ids"] = canvas.expand(input_ids.shape[0], -1)
     return (thinker if thinker is not None else model)(input_ids, **kwargs).logits
 
 

@@ -10,7 +10,7 @@ import layerswap
 from _support.checkpoints import assert_state_dicts_identical, drop_keys, read_checkpoint
 from _support.families import MOE_FAMILIES
 from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
-from _support.transformers_support import needs_bundle
+from _support.transformers_support import needs_bundle, needs_model_type
 from layerswap.errors import MissingExpertWeightsError
 from layerswap.swaps.quant.modules import LinearExperts
 
@@ -165,3 +165,47 @@ def test_fused_checkpoint_splits_without_copies_into_weights_that_savers_see_as_
     save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "raw.safetensors")
     reloaded = load_file(tmp_path / "raw.safetensors")
     assert all(torch.equal(reloaded[k], v) for k, v in state.items())
+
+
+@needs_model_type("diffusion_gemma")
+@pytest.mark.parametrize("layout", ["stock", "fused"])
+def test_experts_tied_across_sub_models_load_once_and_save_back_stock(layout, tmp_path):
+    # diffusion_gemma's published checkpoints tie the encoder's layers to the decoder's, experts included
+    # (tie_word_embeddings, True by default): the checkpoint holds each expert once, and the swapped model must tie
+    # its per-expert Linears the same way (the stock tie patterns name gate_up_proj / down_proj).
+    stock = tiny_model("diffusion_gemma", tie_word_embeddings=True)
+    stock.save_pretrained(tmp_path / "stock", save_original_format=layout == "stock")
+    input_ids = tiny_input_ids()
+    with layerswap.use_bundle("diffusion_gemma-quant"):
+        model, info = auto_class("diffusion_gemma").from_pretrained(
+            tmp_path / "stock", output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        encoder, decoder = (
+            model.model.encoder.language_model.layers[0].experts,
+            model.model.decoder.layers[0].experts,
+        )
+        assert isinstance(encoder, LinearExperts)
+        assert encoder[3].gate_proj.weight is decoder[3].gate_proj.weight
+        with torch.no_grad():
+            torch.testing.assert_close(
+                text_logits(model, input_ids), text_logits(stock, input_ids), atol=1e-5, rtol=1e-5
+            )
+        model.save_pretrained(tmp_path / "ours")
+    reloaded, info = auto_class("diffusion_gemma").from_pretrained(
+        tmp_path / "ours", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert_state_dicts_identical(stock, reloaded)
+
+
+@needs_model_type("diffusion_gemma")
+def test_tied_experts_missing_from_the_checkpoint_are_an_error(tmp_path):
+    # Tying fills the encoder's experts from the decoder's; with the decoder's gone, both are missing: 2 x 24.
+    tiny_model("diffusion_gemma", tie_word_embeddings=True).save_pretrained(tmp_path)
+    assert drop_keys(tmp_path, lambda key: "decoder.layers.1.experts" in key)
+    with (
+        layerswap.use_bundle("diffusion_gemma-quant"),
+        pytest.raises(MissingExpertWeightsError, match=r"lacks 48 weight.*decoder\.layers\.1\.experts"),
+    ):
+        auto_class("diffusion_gemma").from_pretrained(tmp_path)

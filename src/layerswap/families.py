@@ -103,8 +103,6 @@ _REASONS: dict[str, str] = {
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
-    "inkling2_loop": "transformers 5.24's apply_patches fails on its output recorder, which targets a tuple of "
-    "classes (monkey_patching.py: tuple has no __name__), so no class of it can be swapped",
     "jetmoe": "its own experts class (JetMoeParallelExperts, no layout flags): needs its own adapter",
     "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
     "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "

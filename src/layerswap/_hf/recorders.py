@@ -8,9 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -49,11 +50,39 @@ def make_journaling_patch_output_recorders(original: Any) -> Any:
         _journal_recorders(model)
         remember_conversions(model)
         before = _recorders_of(model)
-        original(model)
+        with _tuple_targets_set_aside(model):
+            original(model)
         _keep_stock_classes_recorded(before)
         rewrite_tp_plans(model)
 
     return patch_output_recorders
+
+
+class _SetAside:
+    """Stands in for a recorder's tuple of target classes while transformers rewrites recorders: it names no class
+    a patch mapping has."""
+
+
+@contextlib.contextmanager
+def _tuple_targets_set_aside(model: nn.Module) -> Iterator[None]:
+    """transformers (to 5.24 at least) reads `recorder.target_class.__name__`, which fails on a recorder whose target
+    is a tuple of classes (inkling2_loop records hidden states off four decoder-layer classes), so no model with
+    one could be built with any class patched. Such recorders keep their tuple: layerswap swaps none of the classes
+    a tuple names (decoder layers), and a swapped subclass would still be recorded by its stock class."""
+    set_aside = [
+        (recorder, recorder.target_class)
+        for module in model.modules()
+        for value in (getattr(type(module), "_can_record_outputs", None) or {}).values()
+        for recorder in (value if isinstance(value, list) else [value])
+        if isinstance(recorder, OutputRecorder) and isinstance(recorder.target_class, tuple)
+    ]
+    for recorder, _ in set_aside:
+        recorder.target_class = _SetAside
+    try:
+        yield
+    finally:
+        for recorder, targets in set_aside:
+            recorder.target_class = targets
 
 
 def _recorders_of(model: nn.Module) -> list[tuple[dict, dict, dict[int, Any]]]:

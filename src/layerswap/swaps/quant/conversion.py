@@ -164,9 +164,11 @@ class FusedToLinearExperts(WeightConverter):
         if spec.flat:
             operations.append(_FlattenExperts())
         operations += [op.reverse_op for op in self.operations[-2::-1]]
+        # One merged tensor saves under one key. A stock converter of several sources that yields one tensor (one
+        # that dequantizes weight + scales, inkling2_loop's) saves it under the first, the weight's, as stock does.
         reverse = _MergeToFusedExperts(
             source_patterns=list(self.per_expert_targets),
-            target_patterns=source_patterns(self),
+            target_patterns=source_patterns(self)[:1],
             operations=operations,
         )
         reverse.scope_prefix, reverse.base_model_prefix = self.scope_prefix, self.base_model_prefix

@@ -89,6 +89,18 @@ TYPED: tuple[Family, ...] = (
             FusedTensor("mlp.w2", ("down",), flat=True, transposed=True),
         ),
     ),
+    # Each projection of every expert stacked in a module of its own (`input_linear.weight [E, 2I, H]`, gate and up
+    # joined; `output_linear.weight [E, H, I]`), in the MoE MLP and in the mixture-of-attention (each attention
+    # expert's query and output projections) alike; each becomes one nn.Linear per expert.
+    Family(
+        "jetmoe",
+        "JetMoeParallelExperts",
+        router="JetMoeTopKGating",
+        tensors=(
+            FusedTensor("input_linear.weight", ("gate", "up")),
+            FusedTensor("output_linear.weight", ("down",)),
+        ),
+    ),
     # Dense families: attention swaps only.
     Family("llama", attention="LlamaAttention"),
     Family("mistral", attention="MistralAttention"),
@@ -103,7 +115,6 @@ _REASONS: dict[str, str] = {
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
-    "jetmoe": "its own experts class (JetMoeParallelExperts, no layout flags): needs its own adapter",
     "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
     "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "
     "sees them without a bundle",

@@ -81,6 +81,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "shared_intermediate_size": 64,
     },
     "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 routing only
+    # Its attention experts project to head_dim (its kv_channels) * num_key_value_heads: 64 for bitsandbytes.
+    "jetmoe": {"head_dim": 32},
     # Both layers MoE (the defaults keep the first layers dense).
     "flint": {"mlp_only_layers": []},
     "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 1, "topk_group": 1},

@@ -162,3 +162,24 @@ def test_experts_with_their_own_gate_keep_computing_it(
     stock.limit = float("inf")
     assert not torch.allclose(stock(hidden, index, weights), expected, atol=1e-3)  # the clamp matters here
     torch.testing.assert_close(linear(hidden, index, weights), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_model_type("jetmoe")
+def test_parallel_experts_match_stock_with_experts_that_get_no_rows():
+    # jetmoe's JetMoeParallelExperts takes rows grouped by expert and one count per expert; experts with a count of
+    # 0 (here 1 and 4) must be skipped, as quantized layers fail on empty inputs.
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeParallelExperts
+
+    stock = JetMoeParallelExperts(6, 64, 96)
+    nn.init.normal_(stock.weight, std=0.1)
+    linear = linear_experts_adapter("jetmoe-quant", ("jetmoe",))(JetMoeParallelExperts, BundleOptions())(
+        6, 64, 96
+    )
+    with torch.no_grad():
+        for index, expert in enumerate(linear):
+            expert.weight.copy_(stock.weight[index])
+    assert all(type(expert) is nn.Linear and expert.bias is None for expert in linear)
+    expert_size = [3, 0, 2, 5, 0, 1]
+    rows = torch.randn(sum(expert_size), 64)
+    torch.testing.assert_close(linear(rows, expert_size), stock(rows, expert_size), atol=1e-5, rtol=1e-5)
+    assert linear(rows[:0], [0] * 6).shape == (0, 96)

@@ -7,17 +7,26 @@ from __future__ import annotations
 import functools
 
 from ...bundle import Bundle, Family, Patch
-from .conversion import linear_experts_conversions
+from .conversion import linear_experts_conversions, parallel_experts_conversions
 from .modules import LinearExperts, linear_experts_adapter
 
 __all__ = ["LinearExperts", "build", "linear_experts_adapter", "linear_experts_conversions"]
+
+
+# Experts classes whose checkpoints store each projection in a module of its own, by stock class name: the module
+# names, in the MoE MLP and in the mixture-of-attention alike.
+_OWN_CONVERSIONS = {
+    "JetMoeParallelExperts": functools.partial(
+        parallel_experts_conversions, leaves=("input_linear", "output_linear")
+    ),
+}
 
 
 def build(family: Family) -> Bundle | None:
     if family.experts is None:
         return None
     adapter = linear_experts_adapter(f"{family.model_type}-quant", family.conversion_keys, family.flags)
-    edit = functools.partial(
+    edit = _OWN_CONVERSIONS.get(family.experts) or functools.partial(
         linear_experts_conversions, family_types=family.conversion_keys, tensors=family.fused_tensors
     )
     return Bundle.for_family(

@@ -338,3 +338,25 @@ def _stacks_one_tensor_per_projection(
         and pre_ops[0].dim == 1
         and not tensor.interleaved
     )
+
+
+def parallel_experts_conversions(
+    stock: list[WeightTransform], options: BundleOptions, leaves: tuple[str, ...]
+) -> list[WeightTransform]:
+    """The ConversionEdit for experts stored one projection per module (jetmoe's JetMoeParallelExperts, `leaves` its
+    module names): each `<leaf>.weight [E, out, in]` splits into `<leaf>.<e>.weight` on load and merges back on
+    save (the stock checkpoints are fused)."""
+    converters = []
+    for leaf in leaves:
+        source = f"{_AT_NAME_START}{re.escape(leaf)}\\.weight{_AT_NAME_END}"
+        target = (f"{_AT_NAME_START}{leaf}.*.weight",)
+        converters.append(
+            FusedToLinearExperts(
+                source_patterns=[source],
+                target_patterns=f"{leaf}.0.weight",
+                operations=[SplitFusedExperts(target, FusedTensor(f"{leaf}.weight", ("up",)))],
+                per_expert_targets=target,
+                saves_fused=True,
+            )
+        )
+    return [*stock, *converters]

@@ -379,5 +379,37 @@ class LinearDbrxExperts(LinearExperts):
         return output.view(hidden_states.shape[0], -1, self.hidden_dim)
 
 
+class LinearParallelExperts(LinearExperts):
+    """jetmoe's JetMoeParallelExperts: one projection of every expert stacked as `weight [E, out, in]`, called with
+    the routed rows already grouped by expert (`forward(inputs, expert_size)`, one count per expert). Its MoE MLP
+    holds two (input_linear, gate and up joined; output_linear) and its mixture-of-attention two more (the query and
+    output projections of each attention expert): each becomes one nn.Linear per expert, named by its index."""
+
+    def __init__(self, num_experts: int, input_size: int, output_size: int) -> None:
+        nn.ModuleList.__init__(
+            self, (nn.Linear(input_size, output_size, bias=False) for _ in range(num_experts))
+        )
+        self.num_experts = num_experts
+        self.input_size = input_size
+        self.output_size = output_size
+        self._stock_shapes = {"weight": (num_experts, output_size, input_size)}
+
+    # The family's _init_weights initialises `weight` (each nn.Linear gets the same normal init on its own).
+    weight = property(lambda self: self._stand_in("weight"))
+
+    @classmethod
+    def _layerswap_tp_plan(cls, owner: str, leaf: str, style: str) -> dict[str, str] | None:
+        return None  # jetmoe has no tensor-parallel plan to rewrite
+
+    def forward(self, inputs: torch.Tensor, expert_size: list[int]) -> torch.Tensor:
+        groups = inputs.split(expert_size, dim=0)
+        # Experts that got no rows are skipped: quantized layers (bitsandbytes' CPU 4-bit) fail on empty inputs.
+        outputs = [expert(group) for expert, group in zip(self, groups, strict=True) if len(group)]
+        return torch.cat(outputs, dim=0) if outputs else inputs.new_zeros(0, self.output_size)
+
+
 # Experts classes with a structure of their own, by stock class name.
-_OWN_CLASSES: dict[str, type[LinearExperts]] = {"DbrxExperts": LinearDbrxExperts}
+_OWN_CLASSES: dict[str, type[LinearExperts]] = {
+    "DbrxExperts": LinearDbrxExperts,
+    "JetMoeParallelExperts": LinearParallelExperts,
+}

@@ -101,6 +101,14 @@ TYPED: tuple[Family, ...] = (
             FusedTensor("output_linear.weight", ("down",)),
         ),
     ),
+    # Identity (zero-compute) experts after the real ones: gate_up_proj stacks all of them, down_proj the real ones
+    # (the stock parameters, listed since the class declares no layout; no fused kernel computes identity experts).
+    Family(
+        "longcat_flash",
+        "LongcatFlashExperts",
+        router="LongcatFlashTopkRouter",
+        tensors=(FusedTensor("gate_up_proj", ("gate", "up")), FusedTensor("down_proj", ("down",))),
+    ),
     # Dense families: attention swaps only.
     Family("llama", attention="LlamaAttention"),
     Family("mistral", attention="MistralAttention"),
@@ -115,7 +123,6 @@ _REASONS: dict[str, str] = {
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
-    "longcat_flash": "identity (zero-compute) experts beside the real ones: needs its own adapter",
     "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "
     "sees them without a bundle",
     "nllb-moe": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer sees them "

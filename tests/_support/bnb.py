@@ -28,6 +28,7 @@ TINY_SIZE_SKIPS = {
     "granitemoehybrid": [r".*mamba"],
     "deepseek_v4": [r".*self_attn"],
     "mistral4": [r".*self_attn"],
+    "longcat_flash": [r".*self_attn"],
     "openai_privacy_filter": [r"score"],  # the token-classification head: 33 labels
     # Every non-expert module: axk2's 16-wide gated norm, lara_mini's linear-attention gates, zaya's CCA projections.
     "axk2": [r"(?!.*\.experts\.).*"],

@@ -83,6 +83,19 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 routing only
     # Its attention experts project to head_dim (its kv_channels) * num_key_value_heads: 64 for bitsandbytes.
     "jetmoe": {"head_dim": 32},
+    # Its own config names (num_layers, moe_topk, ffn_hidden_size, expert_ffn_hidden_size) and MLA: qk_head_dim is
+    # not derived from the nope + rope dims; head_dim is the rope part. 4 identity experts beside the 8 real ones.
+    "longcat_flash": {
+        **_MLA,
+        "num_layers": 2,
+        "moe_topk": 2,
+        "ffn_hidden_size": 128,
+        "expert_ffn_hidden_size": 64,
+        "zero_expert_num": 4,
+        "qk_head_dim": 32,
+        "head_dim": 16,
+        "pad_token_id": 1,
+    },
     # Both layers MoE (the defaults keep the first layers dense).
     "flint": {"mlp_only_layers": []},
     "beam": {"mlp_layer_types": ["sparse", "sparse"], "n_group": 1, "topk_group": 1},

@@ -183,3 +183,35 @@ def test_parallel_experts_match_stock_with_experts_that_get_no_rows():
     rows = torch.randn(sum(expert_size), 64)
     torch.testing.assert_close(linear(rows, expert_size), stock(rows, expert_size), atol=1e-5, rtol=1e-5)
     assert linear(rows[:0], [0] * 6).shape == (0, 96)
+
+
+@needs_model_type("longcat_flash")
+def test_identity_experts_pass_their_rows_through_weighted():
+    # longcat_flash routes to 8 real experts and 4 identity ones (indices 8..11): token 0 only to identity experts,
+    # token 1 to one of each, token 2 to real ones only.
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    config = tiny_config("longcat_flash")
+    stock = LongcatFlashExperts(config)
+    for parameter in stock.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    linear = linear_experts_adapter("longcat_flash-quant", ("longcat_flash",))(
+        LongcatFlashExperts, BundleOptions()
+    )(config)
+    assert linear.num_experts == 8 and linear.num_identity_experts == 4 and len(linear) == 12
+    with torch.no_grad():
+        for index, expert in enumerate(linear):
+            gate, up = stock.gate_up_proj[index].chunk(
+                2, dim=0
+            )  # the identity experts' rows too: saved back whole
+            expert.gate_proj.weight.copy_(gate)
+            expert.up_proj.weight.copy_(up)
+            if index < 8:
+                expert.down_proj.weight.copy_(stock.down_proj[index])
+    hidden = torch.randn(3, linear.hidden_dim)
+    index = torch.tensor([[9, 11], [2, 10], [0, 5]])
+    weights = torch.rand(3, 2)
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
+    torch.testing.assert_close(linear(hidden, index, weights)[0], hidden[0] * weights[0].sum())

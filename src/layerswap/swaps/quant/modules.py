@@ -408,8 +408,60 @@ class LinearParallelExperts(LinearExperts):
         return torch.cat(outputs, dim=0) if outputs else inputs.new_zeros(0, self.output_size)
 
 
+class _UnusedGateUp(nn.Module):
+    """An identity expert's gate and up rows, which the stock gate_up_proj holds for every expert and the identity
+    experts never use: kept so checkpoints load and save back whole."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, names: ExpertNames) -> None:
+        super().__init__()
+        self.add_module(names.gate, nn.Linear(hidden_size, intermediate_size, bias=False))
+        self.add_module(names.up, nn.Linear(hidden_size, intermediate_size, bias=False))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "an identity expert computes nothing: LinearLongcatFlashExperts passes its rows through"
+        )
+
+
+class LinearLongcatFlashExperts(LinearExperts):
+    """longcat_flash's LongcatFlashExperts: N real experts, then Z identity (zero-compute) experts whose routed rows
+    pass through unchanged, weighted. The stock gate_up_proj stacks N + Z experts (the identity experts' rows are
+    never used), down_proj the N real ones."""
+
+    @classmethod
+    def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:
+        if reference.gate_up_proj is None:
+            raise UnsupportedTransformersError(
+                f"{type(reference).__name__} with n_routed_experts=0 has only identity experts: nothing to "
+                "quantize, so load it without the bundle."
+            )
+        return (
+            reference.num_routed_experts,
+            reference.hidden_size,
+            reference.intermediate_size,
+            ExpertsFlags(),
+            reference.act_fn,
+        )
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.num_identity_experts = self._stock_shapes["gate_up_proj"][0] - self.num_experts
+        for _ in range(self.num_identity_experts):
+            self.append(_UnusedGateUp(self.hidden_dim, self.intermediate_dim, self.expert_names))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        real = top_k_index < self.num_experts
+        # Index num_experts is the "not computed here" index the real experts' forward skips.
+        output = super().forward(hidden_states, top_k_index.where(real, self.num_experts), top_k_weights)
+        identity_weights = top_k_weights.masked_fill(real, 0).sum(dim=-1, keepdim=True)
+        return output + (hidden_states * identity_weights).to(output.dtype)
+
+
 # Experts classes with a structure of their own, by stock class name.
 _OWN_CLASSES: dict[str, type[LinearExperts]] = {
     "DbrxExperts": LinearDbrxExperts,
     "JetMoeParallelExperts": LinearParallelExperts,
+    "LongcatFlashExperts": LinearLongcatFlashExperts,
 }

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
     from ._hf.compat import TRANSFORMERS_VERSION, bundle_requirement
-    from .families import DERIVED, UNCOVERED, families_without_replay
+    from .families import ALREADY_LINEAR, DERIVED, UNCOVERED, already_linear_reason, families_without_replay
 
     bundles = list_bundles()
     # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
@@ -34,6 +34,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print("| --- | --- |")
         for model_type, reason in sorted(UNCOVERED.items()):
             print(f"| {model_type} | {reason} |")
+        print(f"\n## MoE families of transformers {TRANSFORMERS_VERSION} that need no bundle\n")
+        print("| model type | why |")
+        print("| --- | --- |")
+        for model_type in sorted(ALREADY_LINEAR):
+            print(f"| {model_type} | {already_linear_reason(model_type)} |")
         return 0
     width = max(len(b.name) for b in bundles)
     for b in bundles:
@@ -41,7 +46,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(f"{b.name:<{width}}  {b.purpose:<10} {b.description.split('.')[0]}{note}")
     print(f"\n{len(bundles)} bundles. `layerswap list --markdown` prints the catalog for docs.")
     print(
-        f"{len(UNCOVERED)} MoE families of transformers {TRANSFORMERS_VERSION} have no bundle, each for a reason "
+        f"{len(UNCOVERED)} MoE families of transformers {TRANSFORMERS_VERSION} have no bundle, each for a reason, "
+        f"and {len(ALREADY_LINEAR)} need none: their experts are already nn.Linear ({', '.join(sorted(ALREADY_LINEAR))}) "
         "(`layerswap list --markdown` lists them)."
     )
     if needs:
@@ -55,7 +61,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from . import report, use_bundle
     from .catalog import CATALOG
-    from .families import UNCOVERED
+    from .families import ALREADY_LINEAR, UNCOVERED, already_linear_reason
     from .shapes import meta_model, resolve_config
 
     config = resolve_config(args.config)
@@ -66,8 +72,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     with use_bundle(*bundles):
         swapped = report(meta_model(config))
     print(f"model type {config.model_type}; bundles: {', '.join(bundles) or 'none for this model type'}")
-    if not bundles and config.model_type in UNCOVERED:  # e.g. experts that are already nn.Linear
-        print(f"  {UNCOVERED[config.model_type]}")
+    if not bundles and config.model_type in ALREADY_LINEAR:
+        print(f"  {already_linear_reason(config.model_type)}")
+    elif not bundles and config.model_type in UNCOVERED:
+        print(f"  not served: {UNCOVERED[config.model_type]}")
     print()
     print(f"{'':28}{'stock':>16}{'with bundles':>16}")
     rows = [

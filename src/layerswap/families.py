@@ -5,7 +5,8 @@ Two sources, in this order:
   scorers mirror, the attention class '-fused_qkv' is tested on, a modeling module elsewhere);
 - derived rows: every other MoE family of the installed transformers whose experts declare the stock fused layout
   (`_hf.discovery`), so a release that adds one is served with no code change.
-Every other MoE family of the installed transformers is in UNCOVERED, with the reason. Each purpose under
+Families whose experts are nn.Linear already are in ALREADY_LINEAR (they need no bundle); every other MoE family of
+the installed transformers is in UNCOVERED, with the reason. Each purpose under
 `swaps/` builds its bundle from a row (or none, for a family it does not serve).
 """
 
@@ -123,11 +124,30 @@ _REASONS: dict[str, str] = {
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",
-    "switch_transformers": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer "
-    "sees them without a bundle",
-    "nllb-moe": "experts are already nn.Linear (one DenseActDense module per expert): every quantizer sees them "
-    "without a bundle",
 }
+
+
+# MoE families whose experts are already nn.Linear modules, one small MLP per expert: bitsandbytes, torchao, quanto and
+# HQQ quantize them with no bundle, and their stock checkpoints are per-expert already. What each expert is;
+# tests/quantizers/test_already_linear.py checks the claim on the installed transformers (nf4 quantizes every
+# expert Linear; the checkpoint saves back bitwise).
+ALREADY_LINEAR: dict[str, str] = {
+    "switch_transformers": "SwitchTransformersDenseActDense (wi, wo) per expert",
+    "nllb-moe": "NllbMoeDenseActDense (fc1, fc2) per expert",
+}
+# What a user of a quantizer must still know about such a family, as measured on the installed transformers.
+_ALREADY_LINEAR_CAVEATS: dict[str, str] = {
+    "switch_transformers": "Under bitsandbytes 4-bit keep `wo` unquantized (llm_int8_skip_modules=['wo', ...]): "
+    "stock transformers casts its input to wo's weight dtype, uint8 once packed, and computes garbage; 8-bit is fine.",
+}
+
+
+def already_linear_reason(model_type: str) -> str:
+    caveat = _ALREADY_LINEAR_CAVEATS.get(model_type)
+    return (
+        f"experts are already nn.Linear ({ALREADY_LINEAR[model_type]}): every quantizer sees them, no bundle "
+        f"needed.{' ' + caveat if caveat else ''}"
+    )
 
 
 # Where a family's model with a head is registered: a language model, a vision-language / omni one whose text
@@ -196,6 +216,8 @@ def _derive() -> tuple[tuple[Family, ...], dict[str, str]]:
     uncovered: dict[str, str] = {}
     for found in discover():
         if found.model_type in typed or any(e.name in typed for e in found.experts):
+            continue
+        if _primary(found) in ALREADY_LINEAR:
             continue
         reason = _uncovered_reason(found)
         if reason is not None:

@@ -30,6 +30,9 @@ TINY_SIZE_SKIPS = {
     "mistral4": [r".*self_attn"],
     "longcat_flash": [r".*self_attn"],
     "openai_privacy_filter": [r"score"],  # the token-classification head: 33 labels
+    # Routers (8 outputs) of the families that need no bundle, which have no bundle to keep them unquantized.
+    "switch_transformers": [r".*router"],
+    "nllb-moe": [r".*router"],
     # Every non-expert module: axk2's 16-wide gated norm, lara_mini's linear-attention gates, zaya's CCA projections.
     "axk2": [r"(?!.*\.experts\.).*"],
     "lara_mini": [r"(?!.*\.experts\.).*"],

@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoModelForMultimodalLM,
+    AutoModelForSeq2SeqLM,
     AutoModelForTokenClassification,
     PretrainedConfig,
 )
@@ -21,6 +22,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 
@@ -95,6 +97,30 @@ _FAMILY: dict[str, dict[str, Any]] = {
         "qk_head_dim": 32,
         "head_dim": 16,
         "pad_token_id": 1,
+    },
+    # Encoder-decoder MoE models with their own config names; every layer sparse, so both stacks have experts.
+    "switch_transformers": {
+        "d_model": 64,
+        "d_ff": 128,
+        "d_kv": 16,
+        "num_heads": 4,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_sparse_encoder_layers": 2,
+        "num_sparse_decoder_layers": 2,
+        "encoder_sparse_step": 1,
+        "decoder_sparse_step": 1,
+    },
+    "nllb-moe": {
+        "d_model": 64,
+        "encoder_ffn_dim": 128,
+        "decoder_ffn_dim": 128,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4,
+        "encoder_sparse_step": 1,
+        "decoder_sparse_step": 1,
     },
     # Both layers MoE (the defaults keep the first layers dense).
     "flint": {"mlp_only_layers": []},
@@ -171,19 +197,20 @@ _TEXT_ONLY = frozenset({"llama4"})
 
 def auto_class(model_type: str) -> type:
     """The auto class a family's generative model loads with: a vision-language model's own
-    (AutoModelForImageTextToText, or AutoModelForMultimodalLM for omni models), else AutoModelForCausalLM, or for a
-    model with no language-model head (openai_privacy_filter) AutoModelForTokenClassification."""
+    (AutoModelForImageTextToText, or AutoModelForMultimodalLM for omni models), else AutoModelForCausalLM; for a
+    model with no language-model head (openai_privacy_filter) AutoModelForTokenClassification, and for an
+    encoder-decoder one (switch_transformers) AutoModelForSeq2SeqLM."""
     if model_type in _TEXT_ONLY:
         return AutoModelForCausalLM
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return AutoModelForImageTextToText
     if model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
         return AutoModelForMultimodalLM
-    if (
-        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-    ):
-        return AutoModelForTokenClassification
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+            return AutoModelForTokenClassification
+        if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:  # switch_transformers, nllb-moe
+            return AutoModelForSeq2SeqLM
     return AutoModelForCausalLM
 
 
@@ -199,6 +226,8 @@ def text_logits(model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Ten
             torch.arange(canvas_length, device=input_ids.device) % model.config.get_text_config().vocab_size
         )
         kwargs["decoder_input_ids"] = canvas.expand(input_ids.shape[0], -1)
+    elif getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" not in kwargs:
+        kwargs["decoder_input_ids"] = input_ids  # switch_transformers, nllb-moe: decode the prompt itself
     return (thinker if thinker is not None else model)(input_ids, **kwargs).logits
 
 

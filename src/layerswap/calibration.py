@@ -20,8 +20,6 @@ from .errors import BundleError
 from .families import FAMILIES
 from .swaps.quant import LinearExperts
 
-_FORWARD_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
-
 
 @contextmanager
 def calibrate_all_experts(model: nn.Module, chunk_size: int = 1024) -> Iterator[None]:
@@ -35,6 +33,17 @@ def calibrate_all_experts(model: nn.Module, chunk_size: int = 1024) -> Iterator[
     experts = [module for module in model.modules() if isinstance(module, LinearExperts)]
     if not experts:
         raise BundleError(_no_linear_experts_message(model))
+    refused = {
+        type(m).__name__: m._layerswap_calibration_refusal
+        for m in experts
+        if m._layerswap_calibration_refusal
+    }
+    if refused:
+        name, reason = next(iter(refused.items()))
+        raise BundleError(
+            f"calibrate_all_experts cannot serve {name}: {reason}. Calibrate with enough tokens for every expert "
+            "instead, and check each expert's statistics."
+        )
     hook = _feed_unrouted_tokens(chunk_size)
     handles = [module.register_forward_hook(hook, with_kwargs=True) for module in experts]
     try:
@@ -46,10 +55,14 @@ def calibrate_all_experts(model: nn.Module, chunk_size: int = 1024) -> Iterator[
 
 def _feed_unrouted_tokens(chunk_size: int) -> Any:
     def hook(module: LinearExperts, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-        arguments = dict(zip(_FORWARD_ARGUMENTS, args, strict=False), **kwargs)
-        hidden_states, top_k_index = arguments["hidden_states"], arguments["top_k_index"]
+        rows = module._layerswap_routed_rows(args, kwargs)
+        if rows is None:  # every expert saw every token
+            return
+        hidden_states, top_k_index = rows
         with torch.no_grad():
-            for expert_index, expert in enumerate(module):
+            # The real experts only: longcat_flash's identity experts compute nothing.
+            for expert_index in range(module.num_experts):
+                expert = module[expert_index]
                 unrouted = (top_k_index != expert_index).all(dim=-1).nonzero().squeeze(1)
                 for start in range(0, unrouted.numel(), chunk_size):
                     expert(hidden_states[unrouted[start : start + chunk_size]])

@@ -14,6 +14,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from . import list_bundles
     from ._hf.compat import TRANSFORMERS_VERSION, bundle_requirement
     from .families import ALREADY_LINEAR, DERIVED, UNCOVERED, already_linear_reason, families_without_replay
+    from .swaps.replay.modules import UNREPLAYABLE
 
     bundles = list_bundles()
     # Bundles the installed transformers is too old for (enable_bundle refuses them): what they need.
@@ -28,7 +29,15 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print(", ".join(f"`{f.model_type}`" for f in DERIVED) + ".")
         print("\nWithout a '-replay' bundle (no scorer mirrors the router's weights yet): ", end="")
         without = sorted(families_without_replay().items())
-        print(", ".join(f"`{t}` ({router or 'no router class found'})" for t, router in without) + ".")
+        print(
+            ", ".join(
+                f"`{t}` ({router or 'no router class found'}"
+                + (f": it {UNREPLAYABLE[router]}" if router in UNREPLAYABLE else "")
+                + ")"
+                for t, router in without
+            )
+            + "."
+        )
         print(f"\n## MoE families of transformers {TRANSFORMERS_VERSION} without bundles\n")
         print("| model type | why |")
         print("| --- | --- |")

@@ -22,7 +22,7 @@ from transformers.models.auto.modeling_auto import (
 from ._hf.conversions import has_own_conversions
 from ._hf.discovery import DiscoveredFamily, ExpertsDeclaration, discover
 from .bundle import ExpertsFlags, Family, FusedTensor
-from .swaps.replay.modules import SCORERS
+from .swaps.replay.modules import scorer_for
 
 # MoE families: every family whose Experts class has the stock v5 layout (`@use_experts_implementation` with its defaults:
 # gate_up_proj [E, 2I, H] gate-first, down_proj [E, H, I], no bias). tests/test_catalog.py checks each row
@@ -249,4 +249,4 @@ FAMILIES: tuple[Family, ...] = TYPED + DERIVED
 def families_without_replay() -> dict[str, str | None]:
     """MoE families served without a '-replay' bundle, with their router class (None: none found): no scorer in
     `swaps/replay` mirrors how it weights the experts it picks yet."""
-    return {f.model_type: f.router for f in FAMILIES if f.experts and f.router not in SCORERS}
+    return {f.model_type: f.router for f in FAMILIES if f.experts and scorer_for(f.router) is None}

@@ -343,7 +343,8 @@ def _checked_layer(where: str, router: nn.Module, selected: Any) -> tuple[torch.
     if selected.shape[0] == 0:
         raise RoutingMismatchError(f"{where}: the routing has no tokens.")
     selected = selected.long()
-    num_experts = router.num_experts
+    # longcat_flash's router also chooses its identity experts, which n_routed_experts counts and num_experts not.
+    num_experts = getattr(router, "n_routed_experts", router.num_experts)
     low, high = (int(v) for v in torch.aminmax(selected))
     if low >= 0 and high < num_experts:  # the usual case: one pass, no LIVE rows
         live, routes_live = None, False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,8 @@ class DiscoveredFamily:
     routers: tuple[str, ...]  # classes named *Router / *Gate
     attentions: tuple[str, ...]  # attention classes that assign separate q_proj, k_proj and v_proj
     classes: tuple[str, ...] = ()  # every top-level class the module defines
+    # Each router's forward body as written, comments and blank lines dropped (router_forwards compares them).
+    router_bodies: tuple[tuple[str, str], ...] = ()
 
     @property
     def modeling_module(self) -> str:
@@ -88,6 +91,31 @@ def _declarations(source: str) -> tuple[ExpertsDeclaration, ...]:
         own_gate = "def _apply_gate(" in body
         found.append(ExpertsDeclaration(match["name"], match["decorator"] is not None, layout, own_gate))
     return tuple(found)
+
+
+_COMMENT = re.compile(r"\s+#.*$|^\s*#.*$", re.M)
+
+
+def _forward_body(source: str, class_name: str) -> str | None:
+    """The body of `class_name`'s forward in `source`, without its signature, comments and blank lines, each line
+    dedented: two routers with the same body compute the same thing from attributes of the same names."""
+    start = re.search(rf"^class {re.escape(class_name)}\(", source, re.M)
+    if start is None:
+        return None
+    end = _NEXT_TOP_LEVEL.search(source, start.end())
+    body = source[start.end() : end.start() if end else len(source)]
+    forward = re.search(
+        r"^    def forward\(.*?\).*?:\n(?P<body>(?:^(?:        .*|\s*)\n)*)", body, re.M | re.S
+    )
+    if forward is None:
+        return None
+    lines = textwrap.dedent(_COMMENT.sub("", forward["body"])).splitlines()
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
+def router_forwards() -> dict[str, str]:
+    """Every router class of the installed transformers' MoE families -> its forward body (see _forward_body)."""
+    return {name: body for found in discover() for name, body in found.router_bodies}
 
 
 def _separate_qkv(body: str) -> bool:
@@ -116,12 +144,16 @@ def discover() -> tuple[DiscoveredFamily, ...]:
         if not experts:
             continue
         model_types.sort(key=lambda t: (t != leaf, t))
+        routers = tuple(m["name"] for m in _ROUTER.finditer(source))
         families.append(
             DiscoveredFamily(
                 module_name=module_name,
                 model_types=tuple(model_types),
                 experts=experts,
-                routers=tuple(m["name"] for m in _ROUTER.finditer(source)),
+                routers=routers,
+                router_bodies=tuple(
+                    (name, body) for name in routers if (body := _forward_body(source, name)) is not None
+                ),
                 attentions=tuple(m["name"] for m in _ATTENTION.finditer(source) if _separate_qkv(m["body"])),
                 classes=tuple(_CLASS.findall(source)),
             )

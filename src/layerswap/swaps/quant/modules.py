@@ -202,6 +202,21 @@ class LinearExperts(nn.ModuleList):
             return {}
         return {} if not leaf else None
 
+    # --- what calibrate_all_experts asks ---
+
+    # Why calibrate_all_experts cannot run these experts on the tokens not routed to them (None: it can).
+    _layerswap_calibration_refusal: str | None = None
+
+    def _layerswap_routed_rows(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden_states [T, H], top_k_index [T, K]) of one forward call, whatever the stock forward names them
+        (gpt_oss: router_indices); None where every expert saw every token already (llama4's dense experts)."""
+        bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+        arguments = list(bound.arguments.values())[1:]
+        if len(arguments) < 2:
+            return None
+        hidden_states, top_k_index = arguments[:2]
+        return hidden_states.reshape(-1, self.hidden_dim), top_k_index.reshape(-1, top_k_index.shape[-1])
+
     def _layerswap_conversions_kept_when_quantized(self) -> tuple[type, ...]:
         """Quantized experts cannot be stacked into fused 3D tensors on save: they save one by one, as loaded."""
         return (FusedToLinearExperts,) if any(is_quantized_linear(m) for m in self.modules()) else ()
@@ -393,6 +408,11 @@ class LinearParallelExperts(LinearExperts):
         self.input_size = input_size
         self.output_size = output_size
         self._stock_shapes = {"weight": (num_experts, output_size, input_size)}
+
+    _layerswap_calibration_refusal = (
+        "jetmoe's JetMoeParallelExperts get rows already grouped by expert, without the tokens they came from, so "
+        "the tokens an expert did not get cannot be told apart"
+    )
 
     # The family's _init_weights initialises `weight` (each nn.Linear gets the same normal init on its own).
     weight = property(lambda self: self._stand_in("weight"))

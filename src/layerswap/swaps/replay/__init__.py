@@ -8,9 +8,16 @@ from collections.abc import Callable
 
 from ..._hf.recorders import add_router_output_recorder
 from ...bundle import Bundle, BundleOptions, Family, Installer, Patch
-from .modules import SCORERS, ReplayableRouter, replayable_router_adapter
+from .modules import SCORERS, ReplayableRouter, replayable_router_adapter, scorer_for
 
-__all__ = ["SCORERS", "SELECTED_EXPERTS", "ReplayableRouter", "build", "replayable_router_adapter"]
+__all__ = [
+    "SCORERS",
+    "SELECTED_EXPERTS",
+    "ReplayableRouter",
+    "build",
+    "replayable_router_adapter",
+    "scorer_for",
+]
 
 # Capture key: `model.model(..., output_selected_experts=True).selected_experts`, one [T, K] per MoE layer.
 SELECTED_EXPERTS = "selected_experts"
@@ -27,7 +34,8 @@ def _selected_experts_recorder(family: Family) -> Installer:
 
 def build(family: Family) -> Bundle | None:
     """`<model_type>-replay` for every MoE family whose router returns (logits, scores, indices)."""
-    if family.router is None or family.router not in SCORERS:
+    scorer = scorer_for(family.router)
+    if scorer is None:
         return None
     return Bundle.for_family(
         family,
@@ -37,9 +45,7 @@ def build(family: Family) -> Bundle | None:
             "rollouts via routing_from_vllm) with weights from the live router, so gradients reach it; adds "
             "output_selected_experts=True to the base model. Composes with the '-quant' bundle."
         ),
-        patches=(
-            Patch(family.modeling_module, family.router, replayable_router_adapter(SCORERS[family.router])),
-        ),
+        patches=(Patch(family.modeling_module, family.router, replayable_router_adapter(scorer)),),
         installers=(_selected_experts_recorder(family),),
         needs=("replay",),
     )

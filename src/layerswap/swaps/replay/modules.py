@@ -15,6 +15,7 @@ that for every family, which is what catches a transformers release that changes
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._hf.discovery import router_forwards
 from ...bundle import BundleOptions
 
 # (router, hidden_states, selected [T, K], *the stock forward's other arguments) -> (router_logits, weights [T, K])
@@ -218,6 +220,81 @@ def _sparsemixer_multiplier(
     return PhimoeMultiplier.apply(scores, multiplier, chosen, gates, mask_for_one)
 
 
+def _softmax_weights_renormalized_cast(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # qwen3_5_moe, qwen3_vl_moe: float softmax, always renormalized, cast back to the logits' dtype
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states, router.weight)
+    weights = F.softmax(router_logits, dtype=torch.float, dim=-1).gather(-1, selected)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return router_logits, weights.to(router_logits.dtype)
+
+
+def _float32_softmax_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # lara_mini: logits in float32, cast to the input's dtype at the end
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), router.weight.float())
+    weights = F.softmax(router_logits, dim=-1).gather(-1, selected)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return router_logits, weights.to(hidden_states.dtype)
+
+
+def _sigmoid_weights_renormalized(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # step3p7, minimax_m3_vl: minimax_m2's math with the correction bias read off the router
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states.to(router.weight.dtype), router.weight)
+    weights = F.sigmoid(router_logits.float()).gather(1, selected)
+    return router_logits, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _mistral4_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # group-limited top-k over softmax scores (which only selects), weights the plain softmax
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states, router.weight)
+    weights = router_logits.softmax(-1).gather(1, selected)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, weights * router.routed_scaling_factor
+
+
+def _beam_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # deepseek_v3's math with routed_scaling_factor applied after the experts, not here
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), router.weight.float())
+    weights = router_logits.sigmoid().gather(1, selected)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, weights
+
+
+def _flint_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    from transformers.utils.generic import maybe_autocast
+
+    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
+    with maybe_autocast(device_type=hidden_states.device.type, enabled=False):
+        router_logits = F.linear(hidden_states.float(), router.weight.float())
+    weights = router_logits.sigmoid().gather(-1, selected)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return router_logits, weights
+
+
+def _inkling2_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # the router's own score function (sigmoid or softmax) in float32; the correction bias only selects
+    router_logits = F.linear(hidden_states.float().reshape(-1, router.hidden_dim), router.weight)
+    weights = router.score_fn(router_logits).gather(1, selected)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, weights * router.routed_scaling_factor
+
+
+def _longcat_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
+    # float32 softmax over real and identity experts (the classifier's bias is not used), scaled
+    hidden_states = hidden_states.view(-1, router.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), router.classifier.weight.type(torch.float32))
+    weights = router_logits.softmax(dim=-1).gather(1, selected) * router.routed_scaling_factor
+    return router_logits, weights.to(router_logits.dtype)
+
+
 # Stock router class name -> the scorer mirroring its forward. Every router in the catalog returns
 # (router_logits, router_scores, router_indices) and is covered.
 SCORERS: dict[str, Scorer] = {
@@ -258,7 +335,49 @@ SCORERS: dict[str, Scorer] = {
     "Lfm2MoeTopKRouter": _lfm2_weights,
     "AfmoeTokenChoiceRouter": _afmoe_weights,
     "LagunaTopKRouter": _laguna_weights,
+    **dict.fromkeys(("Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter"), _softmax_weights_renormalized_cast),
+    "LaraMiniTopKRouter": _float32_softmax_weights,
+    **dict.fromkeys(("Step3p7TopKRouter", "MiniMaxM3VLTopKRouter"), _sigmoid_weights_renormalized),
+    "Mistral4TopkRouter": _mistral4_weights,
+    # Its group scoring is optional, and only selects: the weights are deepseek_v3's.
+    "AXK2TopkRouter": _sigmoid_weights,
+    "BeamTopKRouter": _beam_weights,
+    "FlintTopKRouter": _flint_weights,
+    "Inkling2TopKRouter": _inkling2_weights,
+    "LongcatFlashTopkRouter": _longcat_weights,
 }
+
+# Routers of hand-written rows that no scorer can serve, and why.
+UNREPLAYABLE: dict[str, str] = {
+    "JetMoeTopKGating": "returns the routed rows grouped by expert (sorted indices, rows, gates, counts, logits), "
+    "not the (logits, weights, indices) a replayed router returns",
+    "Inkling2LoopTopKRouter": "runs once per pass of the looped layers, so one forward makes several choices per "
+    "token in one layer, where a recording holds one per MoE layer",
+}
+
+
+def scorer_for(router: str | None) -> Scorer | None:
+    """The scorer for the router class `router`: its own in SCORERS, else the one of a router whose forward reads
+    exactly the same (transformers' modular copies: glm4v_moe's router is deepseek_v3's), else None (no '-replay'
+    bundle for it). The replay tests check each one reproduces stock logits bit for bit."""
+    if router is None or router in UNREPLAYABLE:
+        return None
+    return SCORERS.get(router) or _derived_scorers().get(router)
+
+
+@functools.cache
+def _derived_scorers() -> dict[str, Scorer]:
+    bodies = router_forwards()
+    by_body: dict[str, set[Scorer]] = {}
+    for name, scorer in SCORERS.items():
+        if name in bodies:
+            by_body.setdefault(bodies[name], set()).add(scorer)
+    derived = {}
+    for name, body in bodies.items():
+        scorers = by_body.get(body, set())
+        if name not in SCORERS and len(scorers) == 1:
+            derived[name] = next(iter(scorers))
+    return derived
 
 
 # --- the adapter ------------------------------------------------------------------------------------------

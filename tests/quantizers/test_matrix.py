@@ -5,6 +5,7 @@ in full precision. docs/quantizers.md is the same matrix, written by tests/quant
 test fails when the committed table no longer matches a fresh measurement.
 """
 
+import json
 import math
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from transformers.quantizers import AutoHfQuantizer
 
 import layerswap
 from _support.numerics import assert_computed_close
-from _support.tiny_models import tiny_config, tiny_input_ids
+from _support.tiny_models import tiny_config, tiny_input_ids, tiny_model
 from layerswap.errors import IncompatibleQuantizerError
 from quantizers import matrix
 
@@ -184,3 +185,62 @@ def test_committed_quantizer_doc_matches_a_fresh_measurement():
         columns = [c for c in matrix.COLUMNS if same_cpu_kind or c not in matrix.MACHINE_DEPENDENT_COLUMNS]
         stale = {c: (row[c], fresh[c]) for c in columns if not _same(c, row[c], fresh[c])}
         assert not stale, f"{DOC} row {key} is stale (committed, fresh): {stale}; {REGENERATE}"
+
+
+# --- MXFP4 checkpoints (gpt-oss's published layout) are refused with a -quant bundle, with a way that works ----
+
+
+def _mxfp4_gpt_oss_checkpoint(directory):
+    """A tiny gpt_oss checkpoint laid out as openai/gpt-oss-20b's: each experts tensor as uint8 MXFP4 blocks
+    [E, out, in / 32, 16] and scales [E, out, in / 32] (random codes, scales near 2**0), and the config's
+    quantization_config naming mxfp4."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("gpt_oss").save_pretrained(directory)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for key, tensor in load_file(directory / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, inputs, outputs = tensor.shape  # gpt_oss stores [E, in, out]
+            tensors[f"{key}_blocks"] = torch.randint(
+                0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=generator
+            )
+            tensors[f"{key}_scales"] = torch.randint(
+                120, 127, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=generator
+            )
+        else:
+            tensors[key] = tensor
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "lm_head"],
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_checkpoint_is_refused_and_loads_once_dequantized_as_the_error_says(tmp_path):
+    from transformers import Mxfp4Config
+
+    _mxfp4_gpt_oss_checkpoint(tmp_path / "mxfp4")
+    with (
+        layerswap.use_bundle("gpt_oss-quant"),
+        pytest.raises(
+            IncompatibleQuantizerError, match=r"(?s)MXFP4 checkpoint.*Mxfp4Config\(dequantize=True\)"
+        ),
+    ):
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path / "mxfp4", quantization_config=Mxfp4Config(dequantize=True)
+        )
+    # What the error says to do: dequantize without the bundle, save, load the result with it.
+    stock = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "mxfp4", quantization_config=Mxfp4Config(dequantize=True)
+    )
+    stock.save_pretrained(tmp_path / "dequantized")
+    with layerswap.use_bundle("gpt_oss-quant"):
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert layerswap.report(model).expert_linear_share == 1.0
+    input_ids = tiny_input_ids()
+    with torch.no_grad():
+        assert_computed_close(model(input_ids).logits, stock(input_ids).logits)

@@ -122,6 +122,19 @@ def keep_unquantized_modules(model: nn.Module) -> list[str]:
 
 
 def _refuse_incompatible_quantizer(quantizer: HfQuantizer, swapped: list[tuple[str, nn.Module]]) -> None:
+    if type(quantizer).__name__ == "Mxfp4HfQuantizer" and any(
+        name.endswith(".experts") for name, _ in swapped
+    ):
+        raise IncompatibleQuantizerError(
+            "This is an MXFP4 checkpoint (quant_method 'mxfp4', gpt-oss's published layout: experts stored as "
+            "gate_up_proj_blocks / gate_up_proj_scales), and transformers' MXFP4 path builds or dequantizes the "
+            "stock fused experts, which a '-quant' bundle has replaced with per-expert nn.Linear layers. Dequantize "
+            "once without the bundle, then load the result with it:\n"
+            "    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), "
+            "dtype=torch.bfloat16)\n"
+            "    model.save_pretrained(dequantized_path)  # bf16 experts in the stock layout\n"
+            "and enable the bundle before `from_pretrained(dequantized_path, ...)`."
+        )
     if type(quantizer).__name__ != "FineGrainedFP8HfQuantizer":
         return
     experts = [name for name, m in swapped if name.endswith(".experts") and isinstance(m, nn.ModuleList)]

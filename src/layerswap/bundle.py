@@ -126,6 +126,9 @@ class ExpertsFlags:
     has_bias: bool = False  # gate_up_proj_bias [E, 2I] (up_proj_bias) and down_proj_bias [E, H]
     is_transposed: bool = False  # weights stored [E, in, out]
     is_concatenated: bool = True  # gate rows then up rows; else interleaved (gate0, up0, gate1, up1, ...)
+    has_post_expert_norm: bool = (
+        False  # a norm (`post_expert_norm`) on each expert's output, before its weight
+    )
 
     @classmethod
     def of(cls, declared: Mapping[str, Any]) -> ExpertsFlags:

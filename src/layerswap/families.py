@@ -120,7 +120,6 @@ TYPED: tuple[Family, ...] = (
 
 # Why a MoE family that no row covers is not served, where a fact says more than the derived reason.
 _REASONS: dict[str, str] = {
-    "muse_spark": "a norm after each expert: needs its own adapter",
     # Derivable, but the walk (tests/swaps/quant/test_conversion.py) fails on them today, as measured on 5.24:
     "ernie4_5_vl_moe": "derived, but each layer holds text and vision experts of one class (text_moe, "
     "vision_moe), which the conversions do not tell apart: loading fails",

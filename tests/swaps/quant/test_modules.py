@@ -13,7 +13,7 @@ from layerswap._hf import compat as _compat
 from layerswap._hf.experts import STOCK_LAYOUT_FLAGS
 from layerswap.bundle import BundleOptions
 from layerswap.errors import UnsupportedTransformersError
-from layerswap.swaps.quant.modules import LinearExperts, linear_experts_adapter
+from layerswap.swaps.quant.modules import LinearExperts, LinearPostNormExperts, linear_experts_adapter
 
 
 def _stock_and_linear(family):
@@ -105,16 +105,57 @@ def test_experts_without_tokens_and_gradients_flow():
     assert getattr(linear[2], gate).weight.grad is None
 
 
+def test_a_layout_no_adapter_reproduces_is_refused_with_the_class_name_flags_and_shapes():
+    # A down_proj whose shape does not fit gate_up_proj: no forward LinearExperts could compute would be stock's.
+    class OddExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(4, 32, 64))
+            self.down_proj = nn.Parameter(torch.empty(4, 64, 48))
+            self.act_fn = nn.SiLU()
+
+    adapter = linear_experts_adapter("qwen2_moe-quant", ("qwen2_moe",))(OddExperts, BundleOptions())
+    with pytest.raises(
+        UnsupportedTransformersError,
+        match=r"OddExperts.*layout flags.*down_proj': \(4, 64, 48\).*own adapter",
+    ):
+        adapter(None)
+
+
 @needs_model_type("muse_spark")
-def test_layout_no_adapter_has_is_refused_with_the_class_name_and_flags():
-    # muse_spark's experts apply a norm after each expert: a flag LinearExperts does not reproduce.
-    from transformers import AutoConfig
+def test_experts_with_a_post_expert_norm_match_stock():
+    # muse_spark normalizes each expert's output (one shared norm, before the routing weight); a random norm
+    # weight makes a missing or misplaced norm show.
     from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
 
-    config = AutoConfig.for_model("muse_spark").get_text_config()  # built on the meta device only
-    adapter = linear_experts_adapter("muse_spark-quant", ("muse_spark",))(MuseSparkExperts, BundleOptions())
-    with pytest.raises(UnsupportedTransformersError, match=r"MuseSparkExperts.*has_post_expert_norm"):
-        adapter(config)
+    family = next(f for f in MOE_FAMILIES if f.model_type == "muse_spark")
+    config = tiny_config("muse_spark").get_text_config()
+    stock = MuseSparkExperts(config)
+    for parameter in stock.parameters():
+        nn.init.normal_(parameter, std=0.3)
+    linear = linear_experts_adapter("muse_spark-quant", ("muse_spark",), family.flags)(
+        MuseSparkExperts, BundleOptions()
+    )(config)
+    assert isinstance(linear, LinearPostNormExperts) and len(linear) == linear.num_experts == len(
+        list(linear)
+    )
+    with torch.no_grad():
+        linear.post_expert_norm.weight.copy_(stock.post_expert_norm.weight)
+        for index, expert in enumerate(linear):
+            gate, up = stock.gate_up_proj[index].chunk(2, dim=0)
+            expert.gate_proj.weight.copy_(gate)
+            expert.up_proj.weight.copy_(up)
+            expert.down_proj.weight.copy_(stock.down_proj[index])
+    assert [n for n, _ in linear.named_parameters() if "norm" in n] == [
+        "post_expert_norm.weight"
+    ]  # saved once
+    hidden = torch.randn(9, linear.hidden_dim)
+    index, weights = _routing(9, linear.num_experts, 2)
+    torch.testing.assert_close(
+        linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
+    with pytest.raises(UnsupportedTransformersError, match="applies a norm after each expert"):
+        linear_experts_adapter("muse_spark-quant", ("muse_spark",))(MuseSparkExperts, BundleOptions())(config)
 
 
 def test_class_name_says_what_it_replaces():

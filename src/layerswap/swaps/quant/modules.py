@@ -76,6 +76,10 @@ class ExpertMLP(nn.Module):
         self.act_fn = act_fn
         self.stock_gate = stock_gate
 
+    # The norm every expert's output goes through (muse_spark's), owned by the experts module: set with
+    # object.__setattr__, so that its weight is a parameter of the experts module alone, saved once.
+    post_norm: nn.Module | None = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Looked up by name on every call: quantizers replace the Linear children in place.
         up = getattr(self, self.names.up)(hidden_states)
@@ -84,7 +88,8 @@ class ExpertMLP(nn.Module):
         else:
             gate = getattr(self, self.names.gate)(hidden_states)
             hidden = self.act_fn(gate) * up if self.stock_gate is None else self.stock_gate(gate, up)
-        return getattr(self, self.names.down)(hidden)
+        output = getattr(self, self.names.down)(hidden)
+        return output if self.post_norm is None else self.post_norm(output)
 
 
 class LinearExperts(nn.ModuleList):
@@ -120,6 +125,12 @@ class LinearExperts(nn.ModuleList):
             ExpertMLP(hidden_size, intermediate_size, act_fn, self.expert_names, stock_gate, flags)
             for _ in range(num_experts)
         )
+        if flags.has_post_expert_norm and not isinstance(self, LinearPostNormExperts):
+            raise UnsupportedTransformersError(
+                f"{self._layerswap_original.__name__} applies a norm after each expert, which "
+                f"{type(self).__name__} does not; build it with linear_experts_adapter, which picks "
+                "LinearPostNormExperts."
+            )
         self.config = config
         self.num_experts = num_experts
         self.hidden_dim = hidden_size
@@ -333,7 +344,9 @@ def linear_experts_adapter(
             "__module__": __name__,
             "__doc__": f"{original.__name__} as an nn.ModuleList of nn.Linear experts (layerswap).",
         }
-        base = _OWN_CLASSES.get(original.__name__, LinearExperts)
+        base = _OWN_CLASSES.get(original.__name__) or (
+            LinearPostNormExperts if flags is not None and flags.has_post_expert_norm else LinearExperts
+        )
         forward = _forward_named_as(original) if base is LinearExperts else None
         if forward is not None:
             attributes["forward"] = forward
@@ -477,6 +490,33 @@ class LinearLongcatFlashExperts(LinearExperts):
         output = super().forward(hidden_states, top_k_index.where(real, self.num_experts), top_k_weights)
         identity_weights = top_k_weights.masked_fill(real, 0).sum(dim=-1, keepdim=True)
         return output + (hidden_states * identity_weights).to(output.dtype)
+
+
+class LinearPostNormExperts(LinearExperts):
+    """Experts whose outputs each go through one shared norm before their routing weight (muse_spark's
+    `post_expert_norm`, declared `has_post_expert_norm=True`): the norm stays a child of the experts module, under
+    its stock name, and every expert applies it. Iterating or measuring the module sees the experts alone."""
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        with torch.device("meta"):
+            stock_norm = self._layerswap_original(config, *args, **kwargs).post_expert_norm
+        try:
+            norm = type(stock_norm)(self.hidden_dim, eps=stock_norm.eps)
+        except (TypeError, AttributeError) as error:
+            raise UnsupportedTransformersError(
+                f"{self._layerswap_original.__name__}.post_expert_norm is a {type(stock_norm).__name__}, which "
+                f"LinearPostNormExperts cannot rebuild as type(norm)(hidden_size, eps=...): {error}. Please report it."
+            ) from error
+        self.add_module("post_expert_norm", norm)
+        for expert in self:
+            object.__setattr__(expert, "post_norm", norm)
+
+    def __iter__(self):  # the experts, not the norm
+        return (module for name, module in self._modules.items() if name.isdigit())
+
+    def __len__(self) -> int:
+        return sum(name.isdigit() for name in self._modules)
 
 
 # Experts classes with a structure of their own, by stock class name.

@@ -128,12 +128,12 @@ def test_a_new_stock_layout_family_is_derived_with_no_code_change(monkeypatch):
     odd = DiscoveredFamily(
         "odd_moe",
         ("odd_moe",),
-        (ExpertsDeclaration("OddMoeExperts", True, (("has_post_expert_norm", "True"),), False),),
+        (ExpertsDeclaration("OddMoeExperts", True, (("has_pre_expert_norm", "True"),), False),),
         (),
         (),
     )
     monkeypatch.setattr(families, "discover", lambda: (odd,))
-    assert "OddMoeExperts(has_post_expert_norm=True)" in families._derive()[1]["odd_moe"]
+    assert "OddMoeExperts(has_pre_expert_norm=True)" in families._derive()[1]["odd_moe"]
 
 
 def test_derived_rows_are_the_families_no_typed_row_covers():

@@ -513,10 +513,10 @@ class LinearPostNormExperts(LinearExperts):
             object.__setattr__(expert, "post_norm", norm)
 
     def __iter__(self):  # the experts, not the norm
-        return (module for name, module in self._modules.items() if name.isdigit())
+        return (module for name, module in self.named_children() if name.isdigit())
 
     def __len__(self) -> int:
-        return sum(name.isdigit() for name in self._modules)
+        return sum(name.isdigit() for name, _ in self.named_children())
 
 
 # Experts classes with a structure of their own, by stock class name.

@@ -24,6 +24,7 @@ from ...bundle import BundleOptions, ExpertsFlags
 from ...errors import ExpertsImplementationError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
 from .._stock_layout import ExpertNames, stock_experts_layout
+from .all_experts import DEFAULT_CHUNK_SIZE, pipeline_requests_all_experts
 from .conversion import FusedToLinearExperts
 
 
@@ -104,6 +105,8 @@ class LinearExperts(nn.ModuleList):
     # Sub-models whose checkpoints name the projections otherwise, by config model type (dots3_note's vision
     # tower: fc1, fc3, fc2 where its text model has gate_proj, up_proj, down_proj).
     _layerswap_names_by_model_type: Mapping[str, ExpertNames] = MappingProxyType({})
+    # Set by layerswap.calibrate_all_experts: run every expert on the tokens not routed to it too, this many at once.
+    _layerswap_all_experts_chunk: int | None = None
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # The stock module, built on the meta device (no memory), to read its shapes and activation.
@@ -232,7 +235,30 @@ class LinearExperts(nn.ModuleList):
         if outputs:
             weighted = torch.cat(outputs) * weight_of_pair
             output.index_add_(0, token_of_pair, weighted.to(output.dtype))
+        chunk_size = self._all_experts_chunk_size()
+        if chunk_size is not None:
+            self._run_experts_on_unrouted_tokens(hidden_states, top_k_index, chunk_size)
         return output
+
+    def _all_experts_chunk_size(self) -> int | None:
+        """How many unrouted tokens to run through an expert at once while all-experts calibration is asked for
+        (by calibrate_all_experts or a calibration pipeline's switch, see all_experts.py); None otherwise."""
+        if self._layerswap_all_experts_chunk is not None:
+            return self._layerswap_all_experts_chunk
+        if torch.compiler.is_compiling():  # calibration runs eagerly; a compiled graph keeps the routed path
+            return None
+        return DEFAULT_CHUNK_SIZE if pipeline_requests_all_experts() else None
+
+    def _run_experts_on_unrouted_tokens(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, chunk_size: int
+    ) -> None:
+        """Each expert on the tokens not routed to it, outputs discarded: the hooks of a calibration pipeline on
+        its nn.Linear layers see every token exactly once (the routed ones went through forward)."""
+        with torch.no_grad():
+            for expert_index in range(self.num_experts):
+                unrouted = (top_k_index != expert_index).all(dim=-1).nonzero().squeeze(1)
+                for start in range(0, unrouted.numel(), chunk_size):
+                    self[expert_index](hidden_states[unrouted[start : start + chunk_size]])
 
 
 def _stock_layout_of(

@@ -1,0 +1,10 @@
+import pytest
+
+from tiny_checkpoints import FAMILIES, save_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_checkpoint(request, tmp_path_factory):
+    """(model type, path) of a tiny stock-layout checkpoint with a tokenizer."""
+    model_type = request.param
+    return model_type, save_tiny_checkpoint(model_type, tmp_path_factory.mktemp(model_type))

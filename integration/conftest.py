@@ -1,3 +1,9 @@
+import os
+
+# No model hub here: a tool that would fetch a default calibration set or config must fail at once, not wait.
+# Set before transformers and huggingface_hub are imported: they read it then.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 
 from tiny_checkpoints import FAMILIES, save_tiny_checkpoint

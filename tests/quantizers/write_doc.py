@@ -136,6 +136,24 @@ All with torch 2.13.0 (CPU) and Python 3.11. What they found:
 - **torchao and quanto after loading** (`quantize_(model, Int8WeightOnlyConfig())`; quanto's `quantize(model,
   weights=qint8)` and `freeze`): 0% of expert parameters quantized on the stock models, 100% under `-quant`,
   logits within 0.1 of the unquantized ones.
+
+## Beside the peers
+
+The same tiny checkpoints (qwen2_moe, qwen3_moe, mixtral), each tool in its own venv (`integration/llm_compressor`,
+`integration/defuser`; these are their tests' assertions):
+
+| | layerswap `-quant` | llm-compressor 0.14.0.1 own linearization | Defuser 0.0.28 |
+| --- | --- | --- | --- |
+| experts as nn.Linear, logits | 48/48, same logits | 48/48, same logits (`linearize_moe`, which `oneshot` runs) | 48/48, same logits (`convert_model`) |
+| when | while loading (`from_pretrained` under the bundle) | after loading, in `oneshot`; `load_quantizable_moe` while loading where it has load mappings | after loading (`convert_model`); while loading after `replace_fused_blocks`, for the whole process |
+| unquantized save | the stock checkpoint, bit for bit, all three | qwen2_moe, qwen3_moe bit for bit; mixtral's experts under names stock transformers does not load (48 unused tensors, experts uninitialised) | as llm-compressor: mixtral's experts not loadable by stock |
+| undo | `disable_bundle` / end of `use_bundle`: the next load is stock | `repack_moe(model)`, per model | none (`convert_model` is in place; `replace_fused_blocks` patches transformers' classes) |
+| quantizers measured | torchao and quanto after loading, 48/48; bitsandbytes, torchao, quanto, HQQ while loading (the table above); llm-compressor GPTQ (every expert calibrated) | its own GPTQ | torchao after loading, 48/48 |
+| routing record and replay | `-replay` bundles | none | none |
+
+Peak memory (splitting while loading against after it) is not compared here: on these tiny models it would measure
+nothing but the runtime. Families covered beyond these three were not measured for the peers; layerswap's are
+listed in [bundles.md](bundles.md).
 """
 
 

@@ -103,13 +103,15 @@ where you publish them.
 own pins (`integration/<suite>/requirements.txt`), on tiny checkpoints built locally: qwen2_moe, qwen3_moe and
 mixtral, 2 layers of 8 experts (top-k 2), hidden and expert sizes 128 (a multiple of the 4-bit group size). It is
 not part of CI's `.ci/run`. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs, so the times are
-rough (the same llm-compressor tests took 8 s to 103 s across runs); installs are into fresh venvs with pip's cache
-already warm (a cold cache also downloads torch and the tools).
+rough (the llm-compressor tests took 14 s to 108 s across runs); installs are into fresh venvs with pip's cache
+already warm (a cold cache also downloads torch and the tools). One whole run: 141 s of installs, 56 s of tests.
 
-- `llm_compressor`: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0; install 45 s, tests
-  108 s, 17 passed.
-- `auto_round`: auto-round 0.16.1, transformers 5.24.0; install 41 s, tests 15 s, 9 passed.
-- `post_load`: torchao 0.18.0, optimum-quanto 0.2.7, transformers 5.24.0; install 35 s, tests 13 s, 6 passed.
+- `llm_compressor`: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0; install 38 s, tests
+  14 s, 23 passed.
+- `auto_round`: auto-round 0.16.1, transformers 5.24.0; install 41 s, tests 12 s, 9 passed.
+- `post_load`: torchao 0.18.0, optimum-quanto 0.2.7, transformers 5.24.0; install 32 s, tests 12 s, 6 passed.
+- `defuser`: Defuser 0.0.28, transformers 5.24.0, torchao 0.18.0; install 30 s, tests 18 s, 21 passed (the
+  side-by-side table below).
 
 All with torch 2.13.0 (CPU) and Python 3.11. What they found:
 

@@ -137,3 +137,16 @@ def test_an_unreadable_llm_compressor_switch_warns_once_naming_the_fix(quant_mod
     ):
         _rows_per_expert_linear(quant_model, FEW_TOKENS)
     _rows_per_expert_linear(quant_model, FEW_TOKENS)  # once per process: no second warning (an error here)
+
+
+# Other layouts LinearExperts serves: mixtral's w1/w3/w2 names, gpt_oss's biased interleaved experts called with
+# its own argument names, dbrx's experts called with [B, S, H] hidden states.
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "dbrx"])
+def test_the_switch_reaches_every_expert_of_other_layouts(model_type, llm_compressor_switch):
+    with layerswap.use_bundle(f"{model_type}-quant"):
+        model = tiny_model(model_type)
+    _, expected = _rows_per_expert_linear(model, FEW_TOKENS)
+    with llm_compressor_switch.moe_calibration_context():
+        seen, calibrated = _rows_per_expert_linear(model, FEW_TOKENS)
+    assert seen and set(seen.values()) == {FEW_TOKENS.numel()}
+    assert torch.equal(calibrated, expected)

@@ -33,3 +33,23 @@ def test_benchmarks_do_not_import_tests_and_tests_do_not_import_benchmarks():
         if name in benchmark_modules | {"benchmarks"}
     ]
     assert not wrong
+
+
+def test_every_integration_suite_has_pins_tests_and_is_documented():
+    # integration/run.sh runs every folder of integration/ with a requirements.txt, in a venv of its own; the
+    # main suite cannot run them (other pins), so it checks that none is left without pins or tests, or unsaid.
+    suites = sorted(p.parent for p in (ROOT / "integration").glob("*/requirements.txt"))
+    assert suites, "integration/ has no suite"
+    for suite in suites:
+        assert list(suite.glob("test_*.py")), f"{suite.relative_to(ROOT)} has pins but no test_*.py"
+        pins = [line.split("#")[0].strip() for line in (suite / "requirements.txt").read_text().splitlines()]
+        unpinned = [pin for pin in pins if pin and "==" not in pin]
+        assert not unpinned, f"{suite.relative_to(ROOT)}/requirements.txt: not pinned exactly: {unpinned}"
+    folders = {
+        p.name for p in (ROOT / "integration").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
+    }
+    assert folders == {suite.name for suite in suites}, "a folder of integration/ without requirements.txt"
+    readme = (ROOT / "README.md").read_text()
+    assert "bash integration/run.sh" in readme
+    for suite in suites:
+        assert f"integration/{suite.name}" in readme, f"README.md does not mention integration/{suite.name}"

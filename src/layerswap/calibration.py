@@ -2,18 +2,18 @@
 
 Calibration-based quantizers (GPTQ, AWQ, SmoothQuant) collect statistics with forward hooks on each expert's
 nn.Linear layers. A routed MoE feeds an expert only the tokens routed to it, so rarely chosen experts get
-little or no calibration data. Inside `calibrate_all_experts`, after each experts module's normal (routed)
-forward, a forward hook runs every expert on the tokens that were NOT routed to it and discards the result:
-each expert's linear layers see every token exactly once, and the layer output is the untouched routed one.
+little or no calibration data. Inside `calibrate_all_experts`, each experts module, after its normal (routed)
+forward, runs every expert on the tokens that were NOT routed to it and discards the result: each expert's linear
+layers see every token exactly once, and the layer output is the untouched routed one. llm-compressor's `oneshot`
+asks for the same by default (`moe_calibrate_all_experts=True`), which the experts honour without this wrapper
+(`layerswap.swaps.quant.all_experts`); both together still feed each token once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-import torch
 from torch import nn
 
 from .errors import BundleError
@@ -44,30 +44,17 @@ def calibrate_all_experts(model: nn.Module, chunk_size: int = 1024) -> Iterator[
             f"calibrate_all_experts cannot serve {name}: {reason}. Calibrate with enough tokens for every expert "
             "instead, and check each expert's statistics."
         )
-    hook = _feed_unrouted_tokens(chunk_size)
-    handles = [module.register_forward_hook(hook, with_kwargs=True) for module in experts]
+    previous = [module.__dict__.get("_layerswap_all_experts_chunk") for module in experts]
+    for module in experts:
+        module._layerswap_all_experts_chunk = chunk_size
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _feed_unrouted_tokens(chunk_size: int) -> Any:
-    def hook(module: LinearExperts, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-        rows = module._layerswap_routed_rows(args, kwargs)
-        if rows is None:  # every expert saw every token
-            return
-        hidden_states, top_k_index = rows
-        with torch.no_grad():
-            # The real experts only: longcat_flash's identity experts compute nothing.
-            for expert_index in range(module.num_experts):
-                expert = module[expert_index]
-                unrouted = (top_k_index != expert_index).all(dim=-1).nonzero().squeeze(1)
-                for start in range(0, unrouted.numel(), chunk_size):
-                    expert(hidden_states[unrouted[start : start + chunk_size]])
-
-    return hook
+        for module, chunk in zip(experts, previous, strict=True):
+            if chunk is None:
+                module.__dict__.pop("_layerswap_all_experts_chunk", None)
+            else:
+                module._layerswap_all_experts_chunk = chunk
 
 
 def _no_linear_experts_message(model: nn.Module) -> str:

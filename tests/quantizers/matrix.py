@@ -495,10 +495,17 @@ def table_lines(keys: list[tuple[str, str]]) -> list[str]:
 
 
 def parse_table(text: str) -> dict[tuple[str, str, str], dict[str, str]]:
-    """The rows of a generated table, keyed by (quantizer, scheme, family), each as {column: cell}."""
+    """The rows of a generated table, keyed by (quantizer, scheme, family), each as {column: cell}. Only the
+    table under the matrix's own header row: the doc's hand-written text after it may hold tables of its own."""
     rows = {}
+    in_matrix = False
     for line in text.splitlines():
-        if not line.startswith("| ") or line.startswith((f"| {COLUMNS[0]} |", "| --- |")):
+        if line.startswith(f"| {COLUMNS[0]} |"):
+            in_matrix = True
+            continue
+        if in_matrix and not line.startswith("| "):
+            break
+        if not in_matrix or line.startswith("| --- |"):
             continue
         cells = [cell.strip() for cell in line.strip()[2:-2].split(" | ")]
         rows[tuple(cells[:3])] = dict(zip(COLUMNS, cells, strict=False))

@@ -96,6 +96,66 @@ checkpoints fail on the shapes. So:
 
 Without layerswap installed, nothing can stop stock transformers: load these checkpoints with layerswap, and say so
 where you publish them.
+
+## The integration suite
+
+`bash integration/run.sh` (see the README) runs layerswap with the real tools, each in a venv of its own with its
+own pins (`integration/<suite>/requirements.txt`), on tiny checkpoints built locally: qwen2_moe, qwen3_moe and
+mixtral, 2 layers of 8 experts (top-k 2), hidden and expert sizes 128 (a multiple of the 4-bit group size). It is
+not part of CI's `.ci/run`. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs, so the times are
+rough (the llm-compressor tests took 14 s to 108 s across runs); installs are into fresh venvs with pip's cache
+already warm (a cold cache also downloads torch and the tools). One whole run: 141 s of installs, 56 s of tests.
+
+- `llm_compressor`: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0; install 38 s, tests
+  14 s, 23 passed.
+- `auto_round`: auto-round 0.16.1, transformers 5.24.0; install 41 s, tests 12 s, 9 passed.
+- `post_load`: torchao 0.18.0, optimum-quanto 0.2.7, transformers 5.24.0; install 32 s, tests 12 s, 6 passed.
+- `defuser`: Defuser 0.0.28, transformers 5.24.0, torchao 0.18.0; install 30 s, tests 18 s, 21 passed (the
+  side-by-side table below).
+
+All with torch 2.13.0 (CPU) and Python 3.11. What they found:
+
+- **llm-compressor `oneshot`, GPTQ W4A16, 4 calibration tokens.** llm-compressor calibrates every expert on every
+  token by default (`moe_calibrate_all_experts=True`), through a switch its own linearised experts read; layerswap's
+  `-quant` experts read the same switch (`layerswap/swaps/quant/all_experts.py`), so `oneshot` over a model loaded
+  under the bundle calibrates every expert. Before they did, experts that no calibration token was routed to were
+  never calibrated and kept uninitialised scales, with no warning: 9 of 16 experts (27 of 48 tensors) for
+  qwen2_moe, 8 of 16 for qwen3_moe and mixtral (the same count as with `moe_calibrate_all_experts=False` now).
+  With the switch read, the scales are bit-identical to llm-compressor's own MoE path (the stock model, linearised
+  by llm-compressor) for all 48 expert tensors of each family, and at most 0.18% of a tensor's 4-bit values
+  differ (GPTQ sums the same tokens in another grouping, and round-off flips an occasional rounding). Wrapping
+  `oneshot` in `layerswap.calibrate_all_experts(model)` as well still feeds each token once. A compressed save
+  (`save_compressed=True`) writes every expert projection packed, one by one, under the stock per-expert names
+  (mixtral's `w1`/`w3`/`w2`), and reloads to the same logits with and without the bundle.
+- **auto-round RTN W4A16** (`iters=0`, `disable_opt_rtn=True`) under `-quant` packs all 48 expert projections.
+  auto-round writes the packed weights itself and config.json through the config's own `save_pretrained`, so
+  layerswap records the bundle there too: before it did, mixtral's save (`experts.N.w1` ...) reloaded as NaN
+  logits, plainly and through `layerswap.from_pretrained`, with no error. Now `layerswap.from_pretrained` reloads
+  every family within 0.3 of the unquantized logits' range (RTN of random weights, computed in float16), and a load
+  without the bundle is refused (mixtral) or right (qwen2_moe and qwen3_moe, whose experts auto-round's own loader
+  splits). auto-round replaces qwen3_moe's MoE block itself as it loads, before the bundle can swap its experts:
+  layerswap's warning names auto-round's `LinearQwen3MoeSparseMoeBlock`.
+- **torchao and quanto after loading** (`quantize_(model, Int8WeightOnlyConfig())`; quanto's `quantize(model,
+  weights=qint8)` and `freeze`): 0% of expert parameters quantized on the stock models, 100% under `-quant`,
+  logits within 0.1 of the unquantized ones.
+
+## Beside the peers
+
+The same tiny checkpoints (qwen2_moe, qwen3_moe, mixtral), each tool in its own venv (`integration/llm_compressor`,
+`integration/defuser`; these are their tests' assertions):
+
+| | layerswap `-quant` | llm-compressor 0.14.0.1 own linearization | Defuser 0.0.28 |
+| --- | --- | --- | --- |
+| experts as nn.Linear, logits | 48/48, same logits | 48/48, same logits (`linearize_moe`, which `oneshot` runs) | 48/48, same logits (`convert_model`) |
+| when | while loading (`from_pretrained` under the bundle) | after loading, in `oneshot`; `load_quantizable_moe` while loading where it has load mappings | after loading (`convert_model`); while loading after `replace_fused_blocks`, for the whole process |
+| unquantized save | the stock checkpoint, bit for bit, all three | qwen2_moe, qwen3_moe bit for bit; mixtral's experts under names stock transformers does not load (48 unused tensors, experts uninitialised) | as llm-compressor: mixtral's experts not loadable by stock |
+| undo | `disable_bundle` / end of `use_bundle`: the next load is stock | `repack_moe(model)`, per model | none (`convert_model` is in place; `replace_fused_blocks` patches transformers' classes) |
+| quantizers measured | torchao and quanto after loading, 48/48; bitsandbytes, torchao, quanto, HQQ while loading (the table above); llm-compressor GPTQ (every expert calibrated) | its own GPTQ | torchao after loading, 48/48 |
+| routing record and replay | `-replay` bundles | none | none |
+
+Peak memory (splitting while loading against after it) is not compared here: on these tiny models it would measure
+nothing but the runtime. Families covered beyond these three were not measured for the peers; layerswap's are
+listed in [bundles.md](bundles.md).
 """
 
 

@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.modeling_utils import PreTrainedModel
 
 from ..bundle import BundleOptions
@@ -39,6 +41,10 @@ RECORD_KEY = "layerswap"
 # The bundles (name -> non-default options) that swapped a model, set on it when it is built (patching.post_init).
 _BUILT_UNDER = "_layerswap_built_under"
 _journal = Journal()
+# The swapped model each config belongs to, by the config's id (configs compare by value, so are unhashable):
+# some tools write config.json with the config's own save_pretrained and their weights themselves (auto-round
+# 0.16's "immediate saving"), so the model's save_pretrained, which writes the record, never runs.
+_model_of_config: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 # --- the record ----------------------------------------------------------------------------------------------
@@ -83,6 +89,20 @@ def remember_bundles(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> 
     }
     if built_under:
         vars(model)[_BUILT_UNDER] = built_under
+    config = getattr(model, "config", None)
+    if isinstance(
+        config, PretrainedConfig
+    ):  # the outer model (ForCausalLM around Model) is built last: it wins
+        for key in [k for k, (c, m) in _model_of_config.items() if c() is None or m() is None]:
+            del _model_of_config[key]
+        _model_of_config[id(config)] = (weakref.ref(config), weakref.ref(model))
+
+
+def _model_of(config: PretrainedConfig) -> nn.Module | None:
+    config_ref, model_ref = _model_of_config.get(id(config), (None, None))
+    if config_ref is None or config_ref() is not config:
+        return None
+    return model_ref()
 
 
 def _version() -> str | None:
@@ -148,6 +168,26 @@ def make_recording_save_pretrained(original: Any) -> Any:
     return save_pretrained
 
 
+def make_recording_config_save_pretrained(original: Any) -> Any:
+    """A config saved on its own (not through its model's save_pretrained, which sets the record first) records
+    the bundles its swapped model needs, as the model's save would."""
+
+    @functools.wraps(original)
+    def save_pretrained(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = _model_of(self) if RECORD_KEY not in vars(self) else None
+        swapped = swapped_modules(model) if model is not None else []
+        record = needed_record(model, swapped) if swapped else None
+        if record is None:
+            return original(self, save_directory, *args, **kwargs)
+        setattr(self, RECORD_KEY, record)
+        try:
+            return original(self, save_directory, *args, **kwargs)
+        finally:
+            delattr(self, RECORD_KEY)
+
+    return save_pretrained
+
+
 def make_record_checking_finalize(original: staticmethod) -> staticmethod:
     finalize = original.__func__
 
@@ -209,11 +249,15 @@ def _names(names: Iterable[str]) -> str:
 
 
 def watch() -> None:
-    """Install both wrappers (layerswap's import does); `unwatch` puts transformers back."""
+    """Install the wrappers (layerswap's import does); `unwatch` puts transformers back."""
     if _journal:
         return
     save = vars(PreTrainedModel)["save_pretrained"]
     _journal.set_attribute(PreTrainedModel, "save_pretrained", make_recording_save_pretrained(save))
+    config_save = vars(PretrainedConfig)["save_pretrained"]
+    _journal.set_attribute(
+        PretrainedConfig, "save_pretrained", make_recording_config_save_pretrained(config_save)
+    )
     finalize = vars(PreTrainedModel)["_finalize_model_loading"]
     _journal.set_attribute(
         PreTrainedModel, "_finalize_model_loading", make_record_checking_finalize(finalize)

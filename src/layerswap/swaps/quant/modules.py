@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
@@ -21,9 +22,10 @@ from torch import nn
 from ..._hf.compat import TRANSFORMERS_VERSION
 from ..._hf.experts import configured_implementation, layout_mismatches, own_gate
 from ...bundle import BundleOptions, ExpertsFlags
-from ...errors import ExpertsImplementationError, UnsupportedTransformersError
+from ...errors import ExpertsImplementationError, LayerswapWarning, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
 from .._stock_layout import ExpertNames, stock_experts_layout
+from .all_experts import DEFAULT_CHUNK_SIZE, pipeline_requests_all_experts
 from .conversion import FusedToLinearExperts
 
 
@@ -109,6 +111,8 @@ class LinearExperts(nn.ModuleList):
     # Sub-models whose checkpoints name the projections otherwise, by config model type (dots3_note's vision
     # tower: fc1, fc3, fc2 where its text model has gate_proj, up_proj, down_proj).
     _layerswap_names_by_model_type: Mapping[str, ExpertNames] = MappingProxyType({})
+    # Set by layerswap.calibrate_all_experts: run every expert on the tokens not routed to it too, this many at once.
+    _layerswap_all_experts_chunk: int | None = None
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # The stock module, built on the meta device (no memory), to read its shapes and activation.
@@ -218,16 +222,6 @@ class LinearExperts(nn.ModuleList):
     # Why calibrate_all_experts cannot run these experts on the tokens not routed to them (None: it can).
     _layerswap_calibration_refusal: str | None = None
 
-    def _layerswap_routed_rows(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden_states [T, H], top_k_index [T, K]) of one forward call, whatever the stock forward names them
-        (gpt_oss: router_indices); None where every expert saw every token already (llama4's dense experts)."""
-        bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
-        arguments = list(bound.arguments.values())[1:]
-        if len(arguments) < 2:
-            return None
-        hidden_states, top_k_index = arguments[:2]
-        return hidden_states.reshape(-1, self.hidden_dim), top_k_index.reshape(-1, top_k_index.shape[-1])
-
     def _layerswap_conversions_kept_when_quantized(self) -> tuple[type, ...]:
         """Quantized experts cannot be stacked into fused 3D tensors on save: they save one by one, as loaded."""
         return (FusedToLinearExperts,) if any(is_quantized_linear(m) for m in self.modules()) else ()
@@ -258,7 +252,30 @@ class LinearExperts(nn.ModuleList):
         if outputs:
             weighted = torch.cat(outputs) * weight_of_pair
             output.index_add_(0, token_of_pair, weighted.to(output.dtype))
+        chunk_size = self._all_experts_chunk_size()
+        if chunk_size is not None:
+            self._run_experts_on_unrouted_tokens(hidden_states, top_k_index, chunk_size)
         return output
+
+    def _all_experts_chunk_size(self) -> int | None:
+        """How many unrouted tokens to run through an expert at once while all-experts calibration is asked for
+        (by calibrate_all_experts or a calibration pipeline's switch, see all_experts.py); None otherwise."""
+        if self._layerswap_all_experts_chunk is not None:
+            return self._layerswap_all_experts_chunk
+        if torch.compiler.is_compiling():  # calibration runs eagerly; a compiled graph keeps the routed path
+            return None
+        return DEFAULT_CHUNK_SIZE if pipeline_requests_all_experts() else None
+
+    def _run_experts_on_unrouted_tokens(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, chunk_size: int
+    ) -> None:
+        """Each expert on the tokens not routed to it, outputs discarded: the hooks of a calibration pipeline on
+        its nn.Linear layers see every token exactly once (the routed ones went through forward)."""
+        with torch.no_grad():
+            for expert_index in range(self.num_experts):
+                unrouted = (top_k_index != expert_index).all(dim=-1).nonzero().squeeze(1)
+                for start in range(0, unrouted.numel(), chunk_size):
+                    self[expert_index](hidden_states[unrouted[start : start + chunk_size]])
 
 
 def _stock_layout_of(
@@ -435,10 +452,29 @@ class LinearParallelExperts(LinearExperts):
         return None  # jetmoe has no tensor-parallel plan to rewrite
 
     def forward(self, inputs: torch.Tensor, expert_size: list[int]) -> torch.Tensor:
+        if self._all_experts_chunk_size() is not None:
+            _warn_uncalibrated_parallel_experts()
         groups = inputs.split(expert_size, dim=0)
         # Experts that got no rows are skipped: quantized layers (bitsandbytes' CPU 4-bit) fail on empty inputs.
         outputs = [expert(group) for expert, group in zip(self, groups, strict=True) if len(group)]
         return torch.cat(outputs, dim=0) if outputs else inputs.new_zeros(0, self.output_size)
+
+
+_warned_parallel_experts = False
+
+
+def _warn_uncalibrated_parallel_experts() -> None:
+    global _warned_parallel_experts
+    if not _warned_parallel_experts:
+        _warned_parallel_experts = True
+        warnings.warn(
+            "A calibration pipeline asks every expert to see every token (llm-compressor's "
+            f"moe_calibrate_all_experts), but {LinearParallelExperts._layerswap_calibration_refusal}: jetmoe's "
+            "experts see only their routed rows. Calibrate with enough tokens for every expert, and check each "
+            "expert's statistics.",
+            LayerswapWarning,
+            stacklevel=3,
+        )
 
 
 class _UnusedGateUp(nn.Module):

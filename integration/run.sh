@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The integration suite: layerswap with the real third-party tools, each in a venv of its own with its own pins
-# (integration/<suite>/requirements.txt), on tiny checkpoints built locally. Not part of `.ci/run`.
+# (integration/<suite>/requirements.txt), on tiny checkpoints built locally. `.ci/run` runs it last.
 #
 #   bash integration/run.sh                   # every suite
 #   bash integration/run.sh llm_compressor    # some of them

@@ -101,8 +101,8 @@ where you publish them.
 
 `bash integration/run.sh` (see the README) runs layerswap with the real tools, each in a venv of its own with its
 own pins (`integration/<suite>/requirements.txt`), on tiny checkpoints built locally: qwen2_moe, qwen3_moe and
-mixtral, 2 layers of 8 experts (top-k 2), hidden and expert sizes 128 (a multiple of the 4-bit group size). It is
-not part of CI's `.ci/run`. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs, so the times are
+mixtral, 2 layers of 8 experts (top-k 2), hidden and expert sizes 128 (a multiple of the 4-bit group size). CI's
+`.ci/run` runs it last. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs, so the times are
 rough (the llm-compressor tests took 14 s to 108 s across runs); installs are into fresh venvs with pip's cache
 already warm (a cold cache also downloads torch and the tools). One whole run: 141 s of installs, 56 s of tests.
 

@@ -173,10 +173,25 @@ INTERNALS: tuple[Internal, ...] = (
         own=True,
     ),
 )
-# Stock routers that returned (indices, weights, logits) before the release given, where every other router (and
-# every replayable router layerswap builds) returns (logits, scores, indices): their '-replay' bundles need it. The
-# order shows only in what forward returns, so this is the one check by version.
-ROUTER_ORDER_SINCE = {"GraniteMoeTopKRouter": "5.21", "GraniteMoeSharedTopKRouter": "5.21"}
+# Stock routers that returned something else before the release given (granitemoe's (indices, weights, logits),
+# longcat_flash's (weights, indices)), where every other router (and every replayable router layerswap builds)
+# returns (logits, scores, indices): their '-replay' bundles need it. What a router returns shows only in its
+# forward, so this is the one check by version. Checked in the releases' wheels.
+ROUTER_ORDER_SINCE = {
+    "GraniteMoeTopKRouter": ("5.21", "(indices, weights, logits)"),
+    "GraniteMoeSharedTopKRouter": ("5.21", "(indices, weights, logits)"),
+    "LongcatFlashTopkRouter": ("5.19", "(weights, indices)"),
+}
+
+
+def router_order_shortfall(router: str) -> tuple[str, str] | None:
+    """(the release needed, what the router returns before it) where the installed transformers' `router` does
+    not yet return (logits, scores, indices); None where it does."""
+    since, returns = ROUTER_ORDER_SINCE.get(router, (None, None))
+    if since is None or Version(TRANSFORMERS_VERSION) >= Version(since):
+        return None
+    return since, returns
+
 
 _ABSENT = object()
 
@@ -262,14 +277,15 @@ def _shortfalls(bundle: Bundle) -> list[tuple[str, str]]:
     """(the release needed, why) for each thing the installed transformers is too old for in `bundle`."""
     shortfalls = [(needed_version(k), r) for k in bundle.needs if (r := unsupported_reason(k)) is not None]
     for patch in bundle.patches:
-        since = ROUTER_ORDER_SINCE.get(patch.class_name)
-        if since is not None and Version(TRANSFORMERS_VERSION) < Version(since):
+        shortfall = router_order_shortfall(patch.class_name)
+        if shortfall is not None:
+            since, returns = shortfall
             shortfalls.append(
                 (
                     since,
-                    f"{patch.class_name} in transformers {TRANSFORMERS_VERSION} returns (indices, weights, logits), "
-                    f"and its MoE block unpacks it so; a replayable router returns (logits, scores, indices), "
-                    f"as stock does from transformers {since} on",
+                    f"{patch.class_name} in transformers {TRANSFORMERS_VERSION} returns {returns}, and its MoE "
+                    f"block unpacks it so; a replayable router returns (logits, scores, indices), as stock does "
+                    f"from transformers {since} on",
                 )
             )
     return shortfalls

@@ -343,7 +343,21 @@ _FAMILY: dict[str, dict[str, dict[str, Any]]] = {
     # The decoder denoises a 256-token canvas by default: 8 keeps the forward small.
     # The root tie_word_embeddings (True by default, False here via _ROOT) also ties the decoder's layers, experts
     # included, to the encoder's, as published checkpoints do: tests pass tie_word_embeddings=True for that.
-    "diffusion_gemma": {"": {"canvas_length": 8}},
+    # transformers 5.15 has no default vision config (None, which its model cannot build); these are the settings
+    # the tiny recipe derives from 5.24's default Gemma 4 vision config.
+    "diffusion_gemma": {
+        "": {"canvas_length": 8},
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "position_embedding_size": 64,
+        },
+    },
     # Its decoder builds a sliding-window mask for every forward, full-attention layers only or not: None fails.
     "step3p7": {"text_config": {"sliding_window": 16}},
     # The routed experts' width is intermediate_size (dense layers use dense_intermediate_size).

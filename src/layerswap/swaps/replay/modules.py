@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._hf.compat import router_order_shortfall
 from ..._hf.discovery import router_forwards
 from ...bundle import BundleOptions
 
@@ -370,7 +371,8 @@ def _derived_scorers() -> dict[str, Scorer]:
     bodies = router_forwards()
     by_body: dict[str, set[Scorer]] = {}
     for name, scorer in SCORERS.items():
-        if name in bodies:
+        # A router that returns another order on this release has a forward its scorer was not written for.
+        if name in bodies and router_order_shortfall(name) is None:
             by_body.setdefault(bodies[name], set()).add(scorer)
     derived = {}
     for name, body in bodies.items():

@@ -14,21 +14,15 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
-from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import layerswap
 from auto_round import AutoRound
 from layerswap.errors import CheckpointNeedsBundleError, LayerswapWarning
+from tiny_checkpoints import logits
 
-INPUT_IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 # RTN 4-bit (auto-round computes in float16) of tiny random weights: measured up to 0.19 of the logits' range.
 MAX_RELATIVE_LOGIT_ERROR = 0.3
-
-
-def _logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUT_IDS).logits.float()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +31,7 @@ def rtn_checkpoint(tiny_checkpoint, tmp_path_factory):
     model_type, path = tiny_checkpoint
     with layerswap.use_bundle(f"{model_type}-quant"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    expected = _logits(model)
+    expected = logits(model)
     rounder = AutoRound(
         model,
         AutoTokenizer.from_pretrained(path),
@@ -66,8 +60,8 @@ def test_rtn_saves_every_expert_projection_quantized(rtn_checkpoint):
     assert sum(".experts." in key and key.endswith(".qweight") for key in keys) == 2 * 8 * 3
 
 
-def _relative_error(logits: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((logits - expected).abs().max() / expected.abs().max()).item()
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
 def test_layerswap_from_pretrained_reloads_it_close_to_the_unquantized_model(rtn_checkpoint):
@@ -79,7 +73,7 @@ def test_layerswap_from_pretrained_reloads_it_close_to_the_unquantized_model(rtn
     # auto-round 0.16 replaces some families' MoE blocks itself as it loads (qwen3_moe: its
     # LinearQwen3MoeSparseMoeBlock), before the bundle can swap the experts: layerswap says so, naming it.
     assert all("another tool replaced" in message and "auto_round" in message for message in ours), ours
-    assert _relative_error(_logits(model), expected) < MAX_RELATIVE_LOGIT_ERROR
+    assert _relative_error(logits(model), expected) < MAX_RELATIVE_LOGIT_ERROR
     if ours:
         print(f"{model_type}: {ours[0]}")
 
@@ -93,4 +87,4 @@ def test_a_load_without_the_bundle_is_right_or_refused(rtn_checkpoint):
     except CheckpointNeedsBundleError as error:
         assert f"{model_type}-quant" in str(error)
         return
-    assert _relative_error(_logits(model), expected) < MAX_RELATIVE_LOGIT_ERROR
+    assert _relative_error(logits(model), expected) < MAX_RELATIVE_LOGIT_ERROR

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 import defuser
 import layerswap
+from tiny_checkpoints import logits
 
-INPUT_IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 TOOLS = ("layerswap", "defuser")
 
 
@@ -36,18 +36,13 @@ def _expert_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for name, m in model.named_modules() if ".experts." in name and isinstance(m, nn.Linear)]
 
 
-def _logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUT_IDS).logits
-
-
 @pytest.mark.parametrize("tool", TOOLS)
 def test_experts_become_linear_layers_with_the_same_outputs(tiny_checkpoint, tool):
     model_type, path = tiny_checkpoint
-    expected = _logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    expected = logits(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     model = _split(path, model_type, tool)
     assert len(_expert_linears(model)) == 2 * 8 * 3
-    torch.testing.assert_close(_logits(model), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(model), expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("tool", TOOLS)

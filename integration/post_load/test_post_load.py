@@ -16,8 +16,8 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from transformers import AutoModelForCausalLM
 
 import layerswap
+from tiny_checkpoints import logits
 
-INPUT_IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 # int8 weight-only of tiny random weights: a few percent of the logits' range.
 MAX_RELATIVE_LOGIT_ERROR = 0.1
 
@@ -41,19 +41,14 @@ def _load(path, model_type: str, bundle: bool) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def _logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(INPUT_IDS).logits
-
-
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
 def test_post_load_quantization_converts_every_expert_only_under_the_bundle(tiny_checkpoint, quantizer):
     model_type, path = tiny_checkpoint
     stock, bundled = _load(path, model_type, bundle=False), _load(path, model_type, bundle=True)
-    expected = _logits(stock)
+    expected = logits(stock)
     for model in (stock, bundled):
         QUANTIZERS[quantizer](model)
     assert layerswap.report(stock).expert_quantized_share == 0.0
     assert layerswap.report(bundled).expert_quantized_share == 1.0
-    error = ((_logits(bundled) - expected).abs().max() / expected.abs().max()).item()
+    error = ((logits(bundled) - expected).abs().max() / expected.abs().max()).item()
     assert error < MAX_RELATIVE_LOGIT_ERROR

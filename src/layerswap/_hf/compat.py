@@ -166,6 +166,15 @@ INTERNALS: tuple[Internal, ...] = (
         needed_for="fused_qkv",
         own=True,
     ),
+    Internal(
+        "transformers.distributed.sharding_utils",
+        "DtensorShardOperation.shard_tensor",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: a fused experts tensor loading into '-quant' per-expert weights is read whole, then cut per "
+        "expert",
+        fallback="'-quant' loads of fused checkpoints are not made tensor-parallel-safe",
+        own=True,
+    ),
 )
 # Stock routers that returned (indices, weights, logits) before the release given, where every other router (and
 # every replayable router layerswap builds) returns (logits, scores, indices): their '-replay' bundles need it. The

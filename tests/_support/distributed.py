@@ -1,0 +1,118 @@
+"""Run test code on two CPU ranks (gloo), each a spawned process, with a hard time limit.
+
+Spawned, not forked: a fork of a process whose OpenMP pool has run can hang in the child. Each rank imports torch,
+transformers and layerswap afresh (a few seconds), so a test module starts one world for all its loads
+(`run_on_ranks(load_on_ranks, jobs)`) rather than one per case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORLD_SIZE = 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def distributed_available() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+def run_on_ranks(worker: Callable[..., None], *args: Any, timeout_s: float = 240.0) -> None:
+    """`worker(*args)` on WORLD_SIZE spawned ranks that have joined one gloo process group. Raises the first rank's
+    error (with its traceback), or TimeoutError naming the limit once `timeout_s` has passed (every rank is then
+    killed)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _joined,
+        args=(free_port(), worker, args),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{WORLD_SIZE} ranks running {worker.__name__} did not end in {timeout_s:.0f} s"
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _joined(rank: int, port: int, worker: Callable[..., None], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+    )
+    # One thread per rank: two ranks share the CI box's two cores.
+    torch.set_num_threads(1)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        worker(*args)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Load:
+    """One sharded load: `model_type` from `checkpoint` under `bundles`, with `distributed` (from_pretrained's
+    parallelism arguments); its logits for `input_ids` are saved as `<name>.pt` in the output folder, and with
+    `save`, the sharded model saves itself to `<name>-saved`. A load that raises saves the error's text as
+    `<name>.error` instead (rank 0's)."""
+
+    name: str
+    model_type: str
+    checkpoint: str
+    bundles: tuple[str, ...] = ()
+    distributed: tuple[tuple[str, Any], ...] = (("tp_plan", "auto"),)
+    save: bool = False
+
+
+def load_on_ranks(loads: list[Load], input_ids: torch.Tensor, output: str) -> None:
+    import layerswap
+    from layerswap.testing.tiny import auto_class, text_logits
+
+    rank = torch.distributed.get_rank()
+    folder = Path(output)
+    for load in loads:
+        try:
+            with layerswap.use_bundle(*load.bundles) if load.bundles else contextlib.nullcontext():
+                model = auto_class(load.model_type).from_pretrained(load.checkpoint, **dict(load.distributed))
+                with torch.no_grad():
+                    logits = text_logits(model.eval(), input_ids)
+                if load.save:
+                    model.save_pretrained(folder / f"{load.name}-saved")
+        except Exception as error:  # recorded for the test to assert on; every rank meets the same error
+            if rank == 0:
+                (folder / f"{load.name}.error").write_text(f"{type(error).__name__}: {error}")
+            continue
+        if rank == 0:
+            torch.save(logits, folder / f"{load.name}.pt")
+        torch.distributed.barrier()

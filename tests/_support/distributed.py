@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import socket
 import time
@@ -84,7 +85,8 @@ def _joined(rank: int, port: int, worker: Callable[..., None], args: tuple) -> N
 class Load:
     """One sharded load: `model_type` from `checkpoint` under `bundles`, with `distributed` (from_pretrained's
     parallelism arguments); its logits for `input_ids` are saved as `<name>.pt` in the output folder, and with
-    `save`, the sharded model saves itself to `<name>-saved`. A load that raises saves the error's text as
+    `save`, the sharded model saves itself to `<name>-saved`; `<name>.json` says which classes were swapped in and
+    which parameters are sharded, with their local shapes. A load that raises saves the error's text as
     `<name>.error` instead (rank 0's)."""
 
     name: str
@@ -115,4 +117,18 @@ def load_on_ranks(loads: list[Load], input_ids: torch.Tensor, output: str) -> No
             continue
         if rank == 0:
             torch.save(logits, folder / f"{load.name}.pt")
+            (folder / f"{load.name}.json").write_text(json.dumps(_layout(model)))
         torch.distributed.barrier()
+
+
+def _layout(model: torch.nn.Module) -> dict[str, Any]:
+    """What the load built: the swapped-in classes, and the parameters sharded across the ranks (DTensors) with
+    their local shapes."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        "swapped": sorted({type(m).__name__ for m in model.modules() if hasattr(m, "_layerswap_original")}),
+        "sharded": {
+            name: list(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)
+        },
+    }

@@ -9,15 +9,17 @@ tensor parallelism would shard nothing there, or fail. This rewrites the plans o
 - LinearExperts (the '-quant' bundles): each expert is a plain MLP, sharded as a dense one is: gate and up
   `colwise`, down `rowwise` (which sums the partial outputs itself, so the module-level `moe_tp_experts` entry
   goes: it would sum them a second time).
-- FusedQKVAttention ('-fused_qkv', '-fast'): the q/k/v entries go (a fused q|k|v cannot take a column split; the
-  other entries stay, and resolving a plan that shards anything inside a fused attention still raises
-  FusedQKVParallelismError).
+- FusedQKVAttention ('-fused_qkv', '-fast'): the colwise q/k/v entries become one colwise `qkv_proj` entry, which
+  gives each rank its own q, k and v heads (see FusedQKVAttention._layerswap_check_tensor_parallel); the
+  other entries stay.
 - Any other entry under a swapped module that matches nothing in the model goes; every other entry stays.
 
 A swapped class says what its entries become through `_layerswap_tp_plan(owner, leaf, style)`: the entries that
 replace the stock entry `owner.leaf` (an empty dict drops it), or None for the rule above. A class that cannot be
-sharded at all sets `_layerswap_unshardable` (a message naming the fix), and `refuse_tensor_parallelism` (an
-installer) makes resolving a plan that shards inside one raise FusedQKVParallelismError.
+sharded at all sets `_layerswap_unshardable` (a message naming the fix); a module whose sharding holds only for
+some sizes has `_layerswap_check_tensor_parallel(name, entries, tp_size)`, which raises where they do not fit.
+`check_tensor_parallel_plans` (an installer) runs both when transformers resolves a plan, before any weight is
+loaded.
 
 Loading under tensor parallelism, transformers reads each checkpoint tensor already cut to this rank's shard
 (`DtensorShardOperation`), cut as the first parameter the tensor's converter fills is sharded. A fused experts
@@ -127,8 +129,8 @@ def _distributed_mixin() -> type:
     return DistributedMixin
 
 
-def refuse_tensor_parallelism(options: Any) -> Callable[[], None]:
-    """Installer: wrap DistributedMixin._resolve_parallel_plans with the unshardable-module check."""
+def check_tensor_parallel_plans(options: Any) -> Callable[[], None]:
+    """Installer: wrap DistributedMixin._resolve_parallel_plans with the swapped modules' checks."""
     return _plan_guard.install()
 
 
@@ -137,12 +139,27 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
     def _resolve_parallel_plans(self: nn.Module, distributed_config: Any) -> Any:
         plans = original(self, distributed_config)
         refuse_plan_through_unshardable(self, plans[0])
+        check_swapped_modules(self, plans[0], distributed_config.tp_size)
         return plans
 
     return _resolve_parallel_plans
 
 
 _plan_guard = _SharedWrapper(_distributed_mixin, "_resolve_parallel_plans", _guarded)
+
+
+def check_swapped_modules(model: nn.Module, tp_plan: dict[str, str], tp_size: int) -> None:
+    """Ask every module that has `_layerswap_check_tensor_parallel` whether the resolved (layer-numbered) plan's
+    entries inside it can run on `tp_size` ranks; it raises where they cannot, before any weight is loaded."""
+    if not tp_plan:
+        return
+    for name, module in model.named_modules():
+        check = getattr(module, "_layerswap_check_tensor_parallel", None)
+        if check is None:
+            continue
+        entries = {rule: style for rule, style in tp_plan.items() if rule.startswith(name + ".")}
+        if entries:
+            check(name, entries, tp_size)
 
 
 def refuse_plan_through_unshardable(model: nn.Module, tp_plan: dict[str, str]) -> None:
@@ -208,3 +225,19 @@ def local_shard(parameter: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     if operation is None or not isinstance(parameter, DTensor):
         return tensor
     return operation(parameter).shard_tensor(tensor)
+
+
+def row_shards(parameter: torch.Tensor) -> int:
+    """How many ranks `parameter`'s rows (dim 0) are split over: the tensor-parallel size for a colwise-sharded
+    weight, 1 for one that is not sharded."""
+    if not torch.distributed.is_available():
+        return 1
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(parameter, DTensor):
+        return 1
+    shards = 1
+    for mesh_dim, placement in enumerate(parameter.placements):
+        if isinstance(placement, Shard) and placement.dim in (0, -parameter.ndim):
+            shards *= parameter.device_mesh.size(mesh_dim)
+    return shards

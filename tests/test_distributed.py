@@ -27,22 +27,34 @@ MODEL_TYPES = ("qwen3_moe", "mixtral", "llama", "olmoe")
 # Per-expert checkpoints are what save_pretrained writes by default; fused ones (`experts.gate_up_proj [E, 2I, H]`)
 # what save_original_format=False writes, and v5-native checkpoints hold.
 LAYOUTS = ("per_expert", "fused")
-# (model type, checkpoint layout, bundles): every sharded load the world runs; the stock ones are the baseline.
-CASES = [
+# (model type, checkpoint layout, bundles): every tensor-parallel load the world runs; stock ones are the baseline.
+TP_CASES = [
     *[(t, layout, ()) for t in MODEL_TYPES for layout in LAYOUTS],
     *[(t, layout, (f"{t}-quant",)) for t in ("qwen3_moe", "mixtral") for layout in LAYOUTS],
     *[(t, "per_expert", (f"{t}-fused_qkv",)) for t in MODEL_TYPES],
     ("qwen3_moe", "per_expert", ("qwen3_moe-quant", "qwen3_moe-fused_qkv")),
     *[(t, layout, (f"{t}-fast",)) for t in ("qwen3_moe", "mixtral", "olmoe") for layout in LAYOUTS],
 ]
+# Expert parallelism as transformers runs it on two ranks: ep_size == tp_size, whole experts per rank (4 of 8), the
+# attention tensor-parallel.
+EP_CASES = [
+    *[(t, "per_expert", bundles, "ep") for t in ("qwen3_moe", "mixtral") for bundles in ((), (f"{t}-fast",))],
+    ("qwen3_moe", "fused", ("qwen3_moe-fast",), "ep"),
+    ("qwen3_moe", "per_expert", ("qwen3_moe-quant",), "ep"),
+]
+CASES = [(*case, "tp") for case in TP_CASES] + EP_CASES
+# from_pretrained's arguments for each mode.
+MODES = {"tp": (("tp_plan", "auto"),), "ep": (("distributed_config", {"tp_size": 2, "ep_size": 2}),)}
 # The experts' intermediate size in the tiny configs.
 EXPERT_INTERMEDIATE = {"qwen3_moe": 64, "mixtral": 128, "olmoe": 128, "llama": 0}
 # fp32 logits of sums in another order: stock sharded against one process differs by about 2e-7.
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def _name(model_type, layout, bundles):
-    return "-".join([model_type, layout, *(b.split("-", 1)[1] for b in bundles)])
+def _name(model_type, layout, bundles, mode):
+    return "-".join(
+        [model_type, layout, *(b.split("-", 1)[1] for b in bundles), *([mode] if mode != "tp" else [])]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +78,8 @@ def sharded(tmp_path_factory):
         fused_attention = AutoModelForCausalLM.from_pretrained(checkpoints["llama", "per_expert"])
         fused_attention.save_pretrained(root / "llama-qkv_proj", save_original_format=False)
     loads = [
-        Load(_name(*case), case[0], str(checkpoints[case[:2]]), case[2], save=bool(case[2])) for case in CASES
+        Load(_name(*case), case[0], str(checkpoints[case[:2]]), case[2], MODES[case[3]], save=bool(case[2]))
+        for case in CASES
     ]
     loads.append(
         Load("llama-qkv_proj-fused_qkv", "llama", str(root / "llama-qkv_proj"), ("llama-fused_qkv",))
@@ -82,17 +95,18 @@ def _logits(root, name):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_name(*case) for case in CASES])
-def test_tensor_parallel_logits_match_one_process(sharded, case):
+def test_sharded_logits_match_one_process(sharded, case):
     # Stock: the baseline. -quant: fused checkpoints used to be cut along the experts axis (by the rules of one
     # expert's 2D weight) before the split, and the load failed with CheckpointShapeError. -fused_qkv: each rank
-    # holds its own q, k and v heads in qkv_proj.
+    # holds its own q, k and v heads in qkv_proj. -fast under expert parallelism: its kernels used to refuse
+    # experts marked _is_expert_parallel (KernelInputError).
     root, expected, _, _ = sharded
     torch.testing.assert_close(_logits(root, _name(*case)), expected[case[0]], **TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_name(*case) for case in CASES])
 def test_the_swapped_modules_are_sharded(sharded, case):
-    model_type, _, bundles = case
+    model_type, _, bundles, mode = case
     root = sharded[0]
     _logits(root, _name(*case))
     built = json.loads((root / f"{_name(*case)}.json").read_text())
@@ -100,13 +114,20 @@ def test_the_swapped_modules_are_sharded(sharded, case):
     assert bool(built["swapped"]) == bool(bundles), built["swapped"]
     layer = "model.layers.0"
     hidden, intermediate = 64, EXPERT_INTERMEDIATE[model_type]
-    if any(bundle.endswith("-quant") for bundle in bundles):
+    if mode == "ep" and any(bundle.endswith("-quant") for bundle in bundles):
+        # transformers' expert-parallel styles shard stacked 3D experts; LinearExperts' nn.Linear stay whole, so
+        # every rank holds every expert (the dispatch then runs them all on the first rank): right, not smaller.
+        assert not any(".experts." in name for name in sharded_shapes)
+    elif any(bundle.endswith("-quant") for bundle in bundles):
         expert = f"{layer}.mlp.experts.0"
         gate, down = ("w1", "w2") if model_type == "mixtral" else ("gate_proj", "down_proj")
         # Each rank holds half of every expert's intermediate rows (gate) and columns (down).
         assert sharded_shapes[f"{expert}.{gate}.weight"] == [intermediate // 2, hidden]
         assert sharded_shapes[f"{expert}.{down}.weight"] == [hidden, intermediate // 2]
-    if any(bundle.endswith("-fast") for bundle in bundles):
+    if mode == "ep" and (not bundles or any(bundle.endswith("-fast") for bundle in bundles)):
+        # Whole experts per rank: 4 of the 8.
+        assert sharded_shapes[f"{layer}.mlp.experts.gate_up_proj"] == [4, 2 * intermediate, hidden]
+    elif any(bundle.endswith("-fast") for bundle in bundles):
         # The stock 3D experts, sharded by the stock plan: half of the gate rows and half of the up rows.
         assert sharded_shapes[f"{layer}.mlp.experts.gate_up_proj"] == [8, intermediate, hidden]
     if any(bundle.endswith(("-fused_qkv", "-fast")) for bundle in bundles):
@@ -122,7 +143,7 @@ SAVED = [case for case in CASES if case[2]]
 
 @pytest.mark.parametrize("case", SAVED, ids=[_name(*case) for case in SAVED])
 def test_a_save_from_the_sharded_model_reloads_in_stock_transformers_bitwise(sharded, case):
-    model_type, layout, _ = case
+    model_type, layout, _, _ = case
     root, _, originals, checkpoints = sharded
     _logits(root, _name(*case))
     saved = root / f"{_name(*case)}-saved"

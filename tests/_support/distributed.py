@@ -132,3 +132,40 @@ def _layout(model: torch.nn.Module) -> dict[str, Any]:
             name: list(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)
         },
     }
+
+
+def train_step_on_ranks(
+    model_type: str,
+    checkpoint: str,
+    bundles: tuple[str, ...],
+    routing: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    output: str,
+) -> None:
+    """One training step of the model sharded by FSDP2 (`distributed_config={"fsdp_size": 2}`), every rank on the
+    same batch, with `routing` replayed: rank 0 saves the loss and every parameter's full gradient as
+    `train.pt`; every rank saves the routing its routers followed as `routing-<rank>.pt`."""
+    from torch.distributed.tensor import DTensor
+
+    import layerswap
+    from layerswap.testing.tiny import auto_class
+
+    rank = torch.distributed.get_rank()
+    with layerswap.use_bundle(*bundles):
+        model = auto_class(model_type).from_pretrained(
+            checkpoint, distributed_config={"fsdp_size": WORLD_SIZE}
+        )
+        sharded = sorted(name for name, p in model.named_parameters() if isinstance(p, DTensor))
+        with layerswap.replay_routing(model, routing), layerswap.record_routing(model) as followed:
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+    gradients = {}
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None:
+            grad = parameter.grad
+            gradients[name] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+    torch.save([t.cpu() for t in followed.selected_experts], Path(output) / f"routing-{rank}.pt")
+    if rank == 0:
+        torch.save(
+            {"loss": loss.detach(), "gradients": gradients, "sharded": sharded}, Path(output) / "train.pt"
+        )

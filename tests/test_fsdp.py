@@ -1,6 +1,7 @@
 """One FSDP2 training step on two CPU ranks (gloo) with '-quant' experts and '-replay' routers, replaying a recorded
-routing that differs from what the routers would pick: the loss and every gradient equal the one-process step's,
-the routers get gradients, and every rank's routers follow the replayed routing."""
+routing that differs from what the routers would pick, training every parameter or LoRA adapters (peft) on the
+expert Linears: the loss and every gradient equal the one-process step's, the routers (or adapters) get
+gradients, and every rank's routers follow the replayed routing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import torch
 
 import layerswap
 from _support.checkpoints import checkpoint_factory
-from _support.distributed import WORLD_SIZE, distributed_available, run_on_ranks, train_step_on_ranks
+from _support.distributed import (
+    WORLD_SIZE,
+    distributed_available,
+    run_on_ranks,
+    train_step_on_ranks,
+    with_lora,
+)
 from _support.tiny_models import auto_class, tiny_input_ids
 
 pytestmark = pytest.mark.skipif(not distributed_available(), reason="torch without gloo")
@@ -20,14 +27,24 @@ BUNDLES = (f"{MODEL_TYPE}-quant", f"{MODEL_TYPE}-replay")
 TOLERANCE = {"atol": 1e-6, "rtol": 1e-5}
 
 
-@pytest.fixture(scope="module")
-def steps(tmp_path_factory):
-    """(one-process step, the 2-rank step's folder, the replayed routing)."""
+# LoRA on every expert's projections (and nowhere else: qwen3_moe's attention has no such names).
+LORA_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module", params=[None, LORA_TARGETS], ids=["full", "lora"])
+def steps(request, tmp_path_factory):
+    """(one-process step, the 2-rank step's folder, the replayed routing), training every parameter or, with LoRA,
+    the adapters on the expert Linears."""
+    lora = request.param
+    if lora is not None:
+        pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("fsdp")
     path = str(checkpoint_factory(tmp_path_factory)(MODEL_TYPE))
     input_ids = tiny_input_ids()
     with layerswap.use_bundle(*BUNDLES):
         model = auto_class(MODEL_TYPE).from_pretrained(path)
+        if lora is not None:
+            model = with_lora(model, lora)
         with torch.no_grad(), layerswap.record_routing(model) as live:
             model(input_ids)
         # Every token to the next experts over: a routing the routers would not pick.
@@ -40,7 +57,9 @@ def steps(tmp_path_factory):
         "loss": loss.detach(),
         "gradients": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
     }
-    run_on_ranks(train_step_on_ranks, MODEL_TYPE, path, BUNDLES, routing, input_ids, str(root), timeout_s=240)
+    run_on_ranks(
+        train_step_on_ranks, MODEL_TYPE, path, BUNDLES, routing, input_ids, str(root), lora, timeout_s=240
+    )
     return expected, root, routing
 
 
@@ -60,10 +79,16 @@ def test_loss_and_gradients_match_one_process(steps):
         torch.testing.assert_close(got["gradients"][name], gradient, **TOLERANCE, msg=name)
 
 
-def test_routers_get_gradients(steps):
+def test_routers_or_adapters_get_gradients(steps):
     _, root, _ = steps
-    routers = {n: g for n, g in torch.load(root / "train.pt")["gradients"].items() if ".mlp.gate." in n}
-    assert routers and all(g.abs().sum() > 0 for g in routers.values()), sorted(routers)
+    gradients = torch.load(root / "train.pt")["gradients"]
+    if any("lora_" in name for name in gradients):
+        # peft froze the base model: only the adapters train, every expert a token reached has them.
+        assert all("lora_" in name for name in gradients)
+        assert any(".experts.0.gate_proj.lora_A" in name for name in gradients), sorted(gradients)[:4]
+    else:
+        routers = {n: g for n, g in gradients.items() if ".mlp.gate." in n}
+        assert routers and all(g.abs().sum() > 0 for g in routers.values()), sorted(routers)
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))

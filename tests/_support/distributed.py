@@ -141,9 +141,11 @@ def train_step_on_ranks(
     routing: list[torch.Tensor],
     input_ids: torch.Tensor,
     output: str,
+    lora: tuple[str, ...] | None = None,
 ) -> None:
     """One training step of the model sharded by FSDP2 (`distributed_config={"fsdp_size": 2}`), every rank on the
-    same batch, with `routing` replayed: rank 0 saves the loss and every parameter's full gradient as
+    same batch, with `routing` replayed (and with `lora`, LoRA adapters on those module names added after
+    sharding, `with_lora`): rank 0 saves the loss and every parameter's full gradient as
     `train.pt`; every rank saves the routing its routers followed as `routing-<rank>.pt`."""
     from torch.distributed.tensor import DTensor
 
@@ -156,6 +158,8 @@ def train_step_on_ranks(
             checkpoint, distributed_config={"fsdp_size": WORLD_SIZE}
         )
         sharded = sorted(name for name, p in model.named_parameters() if isinstance(p, DTensor))
+        if lora is not None:
+            model = with_lora(model, lora)
         with layerswap.replay_routing(model, routing), layerswap.record_routing(model) as followed:
             loss = model(input_ids, labels=input_ids).loss
         loss.backward()
@@ -169,3 +173,16 @@ def train_step_on_ranks(
         torch.save(
             {"loss": loss.detach(), "gradients": gradients, "sharded": sharded}, Path(output) / "train.pt"
         )
+
+
+def with_lora(model: torch.nn.Module, target_modules: tuple[str, ...]) -> torch.nn.Module:
+    """`model` with LoRA adapters (rank 4, seeded, lora_B non-zero so they change the output) on `target_modules`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules)))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.02)
+    return model

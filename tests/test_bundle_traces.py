@@ -265,6 +265,24 @@ def test_an_adapter_trained_on_quant_experts_is_refused_for_a_model_without_the_
     layerswap.check_adapter(loaded, tmp_path / "adapter")
 
 
+@pytest.mark.parametrize(
+    "model_type, targets",
+    [("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]), ("mixtral", ["w1", "w2", "w3"])],
+)
+def test_lora_targets_quant_experts_by_their_per_expert_names(model_type, targets):
+    # PEFT rewrites these v4 names into the v5 fused parameters (target_parameters gate_up_proj, down_proj) for
+    # model types whose experts v5 fused; a '-quant' model has the per-expert modules instead, and PEFT found
+    # nothing to target ("No `target_modules` passed but also no `target_parameters` found").
+    import peft
+
+    with layerswap.use_bundle(f"{model_type}-quant"):
+        model = tiny_model(model_type)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(target_modules=targets, r=4))
+    adapted_experts = {n.rsplit(".lora_A", 1)[0] for n, _ in adapted.named_parameters() if ".lora_A." in n}
+    # 2 layers, 8 experts, 3 projections, and nothing else.
+    assert len(adapted_experts) == 2 * 8 * 3 and all(".experts." in n for n in adapted_experts)
+
+
 def test_peft_itself_refuses_an_adapter_whose_modules_the_model_lacks(tmp_path):
     # Without any call to check_adapter: PeftModel.from_pretrained loaded 0 of the adapter's 96 expert tensors,
     # warning only, and left them at their random init.
@@ -294,10 +312,14 @@ def test_the_peft_check_is_installed_when_peft_is_imported_after_layerswap_and_u
 
     script = (
         "import layerswap, peft.peft_model as pm\n"
+        "import peft.utils.transformers_weight_conversion as conversion\n"
         "assert getattr(pm.PeftModel.load_adapter, '_layerswap_checked', False)\n"
+        "convert = conversion.convert_peft_config_for_transformers\n"
+        "assert getattr(convert, '_layerswap_checked', False)\n"
         "from layerswap import peft_adapters\n"
         "peft_adapters.unwatch_peft()\n"
         "assert not getattr(pm.PeftModel.load_adapter, '_layerswap_checked', False)\n"
+        "assert not getattr(conversion.convert_peft_config_for_transformers, '_layerswap_checked', False)\n"
         "print('ok')\n"
     )
     assert "peft" not in script.split("\n")[0].split(",")[0]  # layerswap first, then peft

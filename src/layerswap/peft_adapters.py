@@ -99,11 +99,12 @@ def watch_peft() -> None:
     was disabled it would rename a '-quant' adapter's per-expert keys to fused names the swapped model does not
     have, and load none of them. Called when layerswap is imported: at once if peft is imported already, else when
     it is. `unwatch_peft()` puts PEFT back."""
-    module = sys.modules.get(_PEFT_MODULE)
-    if module is not None:
-        _wrap_peft(module)
-    elif not any(isinstance(finder, _WrapPeftOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _WrapPeftOnImport())
+    for name, wrap in ((_PEFT_MODULE, _wrap_peft), (_PEFT_CONVERSION_MODULE, _keep_per_expert_targets)):
+        module = sys.modules.get(name)
+        if module is not None:
+            wrap(module)
+        elif not any(isinstance(f, _WrapPeftOnImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _WrapPeftOnImport(name, wrap))
 
 
 def unwatch_peft() -> None:
@@ -112,10 +113,15 @@ def unwatch_peft() -> None:
 
 
 class _WrapPeftOnImport(importlib.abc.MetaPathFinder):
-    """Wraps `PeftModel.load_adapter` once peft's module defining it has run."""
+    """Runs `wrap` on PEFT's module `name` once that module has run (`PeftModel.load_adapter` in peft.peft_model;
+    the config rewrite in peft.utils.transformers_weight_conversion, which cannot be imported while peft.peft_model
+    is: a circular import)."""
+
+    def __init__(self, name: str, wrap: Any) -> None:
+        self.name, self.wrap = name, wrap
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _PEFT_MODULE:
+        if name != self.name:
             return None
         unwatch_import = [f for f in sys.meta_path if f is not self]
         spec = importlib.machinery.PathFinder.find_spec(name, path)
@@ -126,7 +132,7 @@ class _WrapPeftOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            _wrap_peft(module)
+            self.wrap(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -134,7 +140,9 @@ class _WrapPeftOnImport(importlib.abc.MetaPathFinder):
 
 def _wrap_peft(module: Any) -> None:
     peft_model = getattr(module, "PeftModel", None)
-    if not isinstance(peft_model, type) or _journal:
+    if not isinstance(peft_model, type) or hasattr(
+        vars(peft_model).get("load_adapter"), "_layerswap_checked"
+    ):
         return
     load_adapter = vars(peft_model).get("load_adapter")
     from_pretrained = vars(peft_model).get("from_pretrained")
@@ -159,6 +167,31 @@ def _wrap_peft(module: Any) -> None:
                 return function(cls, model, *args, **kwargs)
 
         _journal.set_attribute(peft_model, "from_pretrained", classmethod(checked_from_pretrained))
+
+
+_PEFT_CONVERSION_MODULE = "peft.utils.transformers_weight_conversion"
+_PEFT_CONVERT_CONFIG = "convert_peft_config_for_transformers"
+
+
+def _keep_per_expert_targets(conversion: Any) -> None:
+    """PEFT rewrites a LoRA config's transformers-v4 expert names (mixtral's w1/w3/w2, qwen2_moe's and its copies'
+    gate_proj/up_proj/down_proj) into the v5 fused parameters (`target_parameters` gate_up_proj, down_proj) for
+    the model types whose experts v5 fused. A model whose experts a '-quant' bundle swapped has those per-expert
+    modules, and no fused parameters: the rewrite left PEFT nothing to target ("No `target_modules` passed but
+    also no `target_parameters` found"). For such a model the config stays as written."""
+    convert = vars(conversion).get(_PEFT_CONVERT_CONFIG)
+    if convert is None or hasattr(convert, "_layerswap_checked"):  # a PEFT without the rewrite, or wrapped
+        return
+
+    @functools.wraps(convert)
+    def convert_unless_per_expert(peft_config: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        modules = model.modules() if isinstance(model, nn.Module) else ()
+        if any(getattr(type(m), "_layerswap_per_expert_modules", False) for m in modules):
+            return None
+        return convert(peft_config, model, *args, **kwargs)
+
+    convert_unless_per_expert._layerswap_checked = True
+    _journal.set_attribute(conversion, _PEFT_CONVERT_CONFIG, convert_unless_per_expert)
 
 
 @contextmanager

@@ -79,11 +79,20 @@ def global_state() -> dict[str, Any]:
         "experts_functions": dict(ALL_EXPERTS_FUNCTIONS._global_mapping),
         "experts_functions_local": dict(ALL_EXPERTS_FUNCTIONS._local_mapping),
         "resolve_parallel_plans": DistributedMixin.__dict__.get("_resolve_parallel_plans"),
+        "shard_on_read": _shard_on_read(),
         "checkpoint_conversions": conversion_mapping.get_checkpoint_conversion_mapping,
         "set_experts_implementation": PreTrainedModel.__dict__.get("set_experts_implementation"),
         "post_init": PreTrainedModel.__dict__["post_init"],
         "model_conversions": _model_conversion_bindings(),
     }
+
+
+def _shard_on_read() -> Any:
+    try:
+        from transformers.distributed.sharding_utils import DtensorShardOperation
+    except ImportError:
+        return None
+    return DtensorShardOperation.__dict__.get("shard_tensor")
 
 
 def comparable(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -172,6 +172,15 @@ INTERNALS: tuple[Internal, ...] = (
         needed_for="fused_qkv",
         own=True,
     ),
+    Internal(
+        "transformers.distributed.sharding_utils",
+        "DtensorShardOperation.shard_tensor",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: a fused experts tensor loading into '-quant' per-expert weights is read whole, then cut per "
+        "expert",
+        fallback="'-quant' loads of fused checkpoints are not made tensor-parallel-safe",
+        own=True,
+    ),
 )
 # Stock routers that returned something else before the release given (granitemoe's (indices, weights, logits),
 # longcat_flash's (weights, indices)), where every other router (and every replayable router layerswap builds)

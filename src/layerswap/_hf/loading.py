@@ -1,7 +1,8 @@
 """The load guard around `PreTrainedModel._finalize_model_loading`, which would give swapped-in modules whose
 weights the checkpoint lacks a random init.
 
-Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError, missing
+Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError (one that
+tensor parallelism cannot cut, the conversion's FusedQKVParallelismError), missing
 weights MissingExpertWeightsError (WeightConversionError when the quantizer failed on weights the checkpoint has).
 After: a warning when a bundle swapped nothing, and after a quantized load, the quantized swapped-in layers keep
 saving as they are and the heap is trimmed.
@@ -15,7 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import CheckpointShapeError, LayerswapWarning, MissingExpertWeightsError, WeightConversionError
+from ..errors import (
+    CheckpointShapeError,
+    FusedQKVParallelismError,
+    LayerswapWarning,
+    MissingExpertWeightsError,
+    WeightConversionError,
+)
 from ..quantized import is_quantized_linear
 from . import quantizers
 from .active import enabled_records, is_swapped, swapped_modules
@@ -23,6 +30,7 @@ from .records import check_recorded_bundles
 
 # How a conversion op's CheckpointShapeError reads in transformers' record of it (a traceback's last line).
 _SHAPE_ERROR = f"{CheckpointShapeError.__module__}.{CheckpointShapeError.__qualname__}: "
+_PARALLELISM_ERROR = f"{FusedQKVParallelismError.__module__}.{FusedQKVParallelismError.__qualname__}: "
 
 
 def make_guarded_finalize(original: staticmethod) -> staticmethod:
@@ -75,6 +83,8 @@ def _raise_on_wrong_shaped_swapped_weights(
     errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
     for key, text in sorted(errors.items()):
         _, error = _summarize_conversion_error(text)
+        if key.startswith(prefixes) and error.startswith(_PARALLELISM_ERROR):
+            raise FusedQKVParallelismError(error.split(": ", 1)[-1])
         if key.startswith(prefixes) and error.startswith(_SHAPE_ERROR):
             raise CheckpointShapeError(
                 f"{source} has weights of modules layerswap swapped in with the wrong shape: "

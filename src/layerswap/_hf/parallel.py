@@ -9,15 +9,25 @@ tensor parallelism would shard nothing there, or fail. This rewrites the plans o
 - LinearExperts (the '-quant' bundles): each expert is a plain MLP, sharded as a dense one is: gate and up
   `colwise`, down `rowwise` (which sums the partial outputs itself, so the module-level `moe_tp_experts` entry
   goes: it would sum them a second time).
-- FusedQKVAttention ('-fused_qkv', '-fast'): the q/k/v entries go (a fused q|k|v cannot take a column split; the
-  other entries stay, and resolving a plan that shards anything inside a fused attention still raises
-  FusedQKVParallelismError).
+- FusedQKVAttention ('-fused_qkv', '-fast'): the colwise q/k/v entries become one colwise `qkv_proj` entry, which
+  gives each rank its own q, k and v heads (see FusedQKVAttention._layerswap_check_tensor_parallel); the
+  other entries stay.
 - Any other entry under a swapped module that matches nothing in the model goes; every other entry stays.
 
 A swapped class says what its entries become through `_layerswap_tp_plan(owner, leaf, style)`: the entries that
 replace the stock entry `owner.leaf` (an empty dict drops it), or None for the rule above. A class that cannot be
-sharded at all sets `_layerswap_unshardable` (a message naming the fix), and `refuse_tensor_parallelism` (an
-installer) makes resolving a plan that shards inside one raise FusedQKVParallelismError.
+sharded at all sets `_layerswap_unshardable` (a message naming the fix); a module whose sharding holds only for
+some sizes has `_layerswap_check_tensor_parallel(name, entries, tp_size)`, which raises where they do not fit.
+`check_tensor_parallel_plans` (an installer) runs both when transformers resolves a plan, before any weight is
+loaded.
+
+Loading under tensor parallelism, transformers reads each checkpoint tensor already cut to this rank's shard
+(`DtensorShardOperation`), cut as the first parameter the tensor's converter fills is sharded. A fused experts
+tensor (`experts.gate_up_proj [E, 2I, H]`) that the '-quant' conversion splits into per-expert `[I, H]` weights
+would be cut along the experts axis by the rules of one 2D weight: rank 0 would get experts 0..E/2 whole, not
+every expert's half. `read_fused_sources_whole` (an installer) hands such a tensor over uncut (a checkpoint tensor
+with more dimensions than the parameter it loads into can only be one that a conversion splits), and the
+conversion cuts each piece it makes with `local_shard`, by that piece's own parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import FusedQKVParallelismError, UnsupportedTransformersError
@@ -75,11 +86,37 @@ def _rewritten(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return rewritten
 
 
-# --- refusing plans that shard inside an unshardable module ------------------------------------------------
+class _SharedWrapper:
+    """One wrapper around `owner.attribute` shared by every bundle that installs it: the first one in wraps, the
+    last one out puts back."""
 
-_ATTRIBUTE = "_resolve_parallel_plans"
-_guard = Journal()
-_guard_users = 0
+    def __init__(self, find_owner: Callable[[], type | None], attribute: str, make: Callable) -> None:
+        self.find_owner, self.attribute, self.make = find_owner, attribute, make
+        self.journal = Journal()
+        self.users = 0
+
+    def install(self) -> Callable[[], None]:
+        owner = self.find_owner()
+        if owner is None:  # the installed transformers has nothing to wrap (see the callers)
+            return lambda: None
+        if self.users == 0:
+            self.journal.set_attribute(owner, self.attribute, self.make(owner.__dict__[self.attribute]))
+        self.users += 1
+        restored = False
+
+        def restore() -> None:
+            nonlocal restored
+            if restored:
+                return
+            restored = True
+            self.users -= 1
+            if self.users == 0:
+                self.journal.undo()
+
+        return restore
+
+
+# --- refusing plans that shard inside an unshardable module ------------------------------------------------
 
 
 def _distributed_mixin() -> type:
@@ -92,27 +129,9 @@ def _distributed_mixin() -> type:
     return DistributedMixin
 
 
-def refuse_tensor_parallelism(options: Any) -> Callable[[], None]:
-    """Installer: wrap DistributedMixin._resolve_parallel_plans with the unshardable-module check. Every bundle
-    that installs it shares one wrapper: the first one in wraps, the last one out puts back."""
-    global _guard_users
-    mixin = _distributed_mixin()
-    if _guard_users == 0:
-        _guard.set_attribute(mixin, _ATTRIBUTE, _guarded(mixin.__dict__[_ATTRIBUTE]))
-    _guard_users += 1
-    restored = False
-
-    def restore() -> None:
-        global _guard_users
-        nonlocal restored
-        if restored:
-            return
-        restored = True
-        _guard_users -= 1
-        if _guard_users == 0:
-            _guard.undo()
-
-    return restore
+def check_tensor_parallel_plans(options: Any) -> Callable[[], None]:
+    """Installer: wrap DistributedMixin._resolve_parallel_plans with the swapped modules' checks."""
+    return _plan_guard.install()
 
 
 def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -120,9 +139,27 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
     def _resolve_parallel_plans(self: nn.Module, distributed_config: Any) -> Any:
         plans = original(self, distributed_config)
         refuse_plan_through_unshardable(self, plans[0])
+        check_swapped_modules(self, plans[0], distributed_config.tp_size)
         return plans
 
     return _resolve_parallel_plans
+
+
+_plan_guard = _SharedWrapper(_distributed_mixin, "_resolve_parallel_plans", _guarded)
+
+
+def check_swapped_modules(model: nn.Module, tp_plan: dict[str, str], tp_size: int) -> None:
+    """Ask every module that has `_layerswap_check_tensor_parallel` whether the resolved (layer-numbered) plan's
+    entries inside it can run on `tp_size` ranks; it raises where they cannot, before any weight is loaded."""
+    if not tp_plan:
+        return
+    for name, module in model.named_modules():
+        check = getattr(module, "_layerswap_check_tensor_parallel", None)
+        if check is None:
+            continue
+        entries = {rule: style for rule, style in tp_plan.items() if rule.startswith(name + ".")}
+        if entries:
+            check(name, entries, tp_size)
 
 
 def refuse_plan_through_unshardable(model: nn.Module, tp_plan: dict[str, str]) -> None:
@@ -142,3 +179,65 @@ def refuse_plan_through_unshardable(model: nn.Module, tp_plan: dict[str, str]) -
                 f"Tensor parallelism would shard {touched[0]} ({tp_plan[touched[0]]}) inside {name}: "
                 + type(module)._layerswap_unshardable.format(model_type=model_type)
             )
+
+
+# --- loading fused checkpoint tensors into per-expert parameters ------------------------------------------
+
+
+def _shard_operation() -> type | None:
+    try:
+        from transformers.distributed.sharding_utils import DtensorShardOperation
+    except ImportError:  # a transformers without shard-on-read loading (compat: a fallback row)
+        return None
+    return DtensorShardOperation if "shard_tensor" in vars(DtensorShardOperation) else None
+
+
+def _whole_when_fused(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shard_tensor(self: Any, source: Any, tensor_idx: int | None = None, device=None, dtype=None) -> Any:
+        shape = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
+        if len(shape) > self.param_ndim:
+            # Fused experts for per-expert weights: the conversion splits it, then cuts each piece (local_shard).
+            return source[...].to(device=device, dtype=dtype)
+        return original(self, source, tensor_idx=tensor_idx, device=device, dtype=dtype)
+
+    return shard_tensor
+
+
+_whole_sources = _SharedWrapper(_shard_operation, "shard_tensor", _whole_when_fused)
+
+
+def read_fused_sources_whole(options: Any) -> Callable[[], None]:
+    """Installer: under tensor parallelism, a checkpoint tensor with more dimensions than the parameter it
+    loads into (a fused experts tensor that a conversion splits) is read whole, not cut by that parameter's
+    placements; the conversion cuts what it makes with `local_shard`."""
+    return _whole_sources.install()
+
+
+def local_shard(parameter: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`, the full value of `parameter`, cut as `parameter` is sharded (as
+    transformers cuts a checkpoint tensor on read); `tensor` itself where `parameter` is not sharded."""
+    if not torch.distributed.is_available():
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    operation = _shard_operation()
+    if operation is None or not isinstance(parameter, DTensor):
+        return tensor
+    return operation(parameter).shard_tensor(tensor)
+
+
+def row_shards(parameter: torch.Tensor) -> int:
+    """How many ranks `parameter`'s rows (dim 0) are split over: the tensor-parallel size for a colwise-sharded
+    weight, 1 for one that is not sharded."""
+    if not torch.distributed.is_available():
+        return 1
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(parameter, DTensor):
+        return 1
+    shards = 1
+    for mesh_dim, placement in enumerate(parameter.placements):
+        if isinstance(placement, Shard) and placement.dim in (0, -parameter.ndim):
+            shards *= parameter.device_mesh.size(mesh_dim)
+    return shards

@@ -205,9 +205,7 @@ def test_unknown_activation_runs_as_callable() -> None:
 
 
 # Layouts the kernels would compute wrongly are refused, with both the class and the flag in the message.
-@pytest.mark.parametrize(
-    "flag, value", [("has_bias", True), ("is_transposed", True), ("_is_expert_parallel", True)]
-)
+@pytest.mark.parametrize("flag, value", [("has_bias", True), ("is_transposed", True)])
 def test_other_layouts_are_refused(flag: str, value: bool) -> None:
     experts = Qwen2MoeExperts(tiny_config("qwen2_moe"))
     setattr(experts, flag, value)
@@ -215,6 +213,24 @@ def test_other_layouts_are_refused(flag: str, value: bool) -> None:
     index, weights = routing(2, experts.num_experts, 2)
     with pytest.raises(KernelInputError, match=rf"Qwen2MoeExperts\.{flag} is {value}"):
         fused_experts_forward(experts, x, index, weights)
+
+
+# Under expert parallelism a rank holds its own experts and marks the routes to other ranks' experts with id E
+# (weight 0): stock skips them, and so do the kernels.
+def test_expert_parallel_experts_skip_the_other_ranks_routes() -> None:
+    experts = Qwen2MoeExperts(tiny_config("qwen2_moe"))
+    for parameter in experts.parameters():  # built directly: nothing initialised them
+        nn.init.normal_(parameter, std=0.2)
+    experts._is_expert_parallel = True
+    x = torch.randn(6, experts.hidden_dim)
+    index, weights = routing(6, experts.num_experts, 2)
+    index[::2, 0] = experts.num_experts
+    weights[::2, 0] = 0.0
+    experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        expected = experts(x, index, weights)
+        got = fused_experts_forward(experts, x, index, weights)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 # A custom _apply_gate (clamped gates, interleaved gate/up) changes the math the kernels hard-code.

@@ -7,6 +7,7 @@ model is loaded from one stock checkpoint per family, with and without the bundl
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -271,16 +272,49 @@ def test_bnb_4bit_quantizes_qkv_proj_with_and_without_quant_bundle(checkpoint, m
 
 
 @pytest.mark.parametrize("model_type", CORE_TYPES)
-def test_tensor_parallel_plan_is_refused_with_a_clear_error(checkpoint, model_type):
+def test_tensor_parallel_plan_shards_qkv_proj_head_wise(checkpoint, model_type):
+    # The stock colwise q/k/v entries become one colwise qkv_proj entry (the 2-rank numerics are in
+    # tests/test_distributed.py); the rest of the attention's entries (o_proj, q/k norms) are stock's.
     path = checkpoint(model_type)
-    plan, _, _ = load(path)._resolve_parallel_plans(DistributedConfig(tp_size=2))
-    assert any(name.endswith("self_attn.q_proj.weight") for name in plan)  # stock shards q/k/v column-wise
+    stock_plan, _, _ = load(path)._resolve_parallel_plans(DistributedConfig(tp_size=2))
     with layerswap.use_bundle(f"{model_type}-fused_qkv"):
         fused = AutoModelForCausalLM.from_pretrained(path)
-        with pytest.raises(FusedQKVParallelismError, match=r"column split.*disable_bundle"):
-            fused._resolve_parallel_plans(DistributedConfig(tp_size=2))
-        # Without tensor parallelism there is no plan to refuse.
+        plan, _, _ = fused._resolve_parallel_plans(DistributedConfig(tp_size=2))
+        # Without tensor parallelism there is no plan.
         assert fused._resolve_parallel_plans(DistributedConfig(tp_size=1))[0] == {}
+    attention = "model.layers.0.self_attn"
+    stock_style = stock_plan[f"{attention}.q_proj.weight"]
+    if stock_style == "colwise":
+        assert plan[f"{attention}.qkv_proj.weight"] == "colwise"
+    else:  # olmoe gathers q, k and v for its full-width norms: an unsharded qkv_proj computes them whole
+        assert stock_style == "colwise_gather_output" and f"{attention}.qkv_proj.weight" not in plan
+    projections = tuple(f"{attention}.{p}" for p in ("q_proj", "k_proj", "v_proj"))
+    assert not any(name.startswith(projections) for name in plan)
+    kept = {k: v for k, v in stock_plan.items() if not re.search(r"\.[qkv]_proj(\.|$)", k)}
+    assert kept.items() <= plan.items()
+
+
+def test_tensor_parallel_size_that_splits_a_head_is_refused_naming_the_sizes(tmp_path):
+    # 6 query and 3 key/value heads: two ranks would split a key/value head.
+    tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3).save_pretrained(
+        tmp_path
+    )
+    with layerswap.use_bundle("llama-fused_qkv"):
+        fused = AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert fused._resolve_parallel_plans(DistributedConfig(tp_size=3))[0]  # 3 divides both: fine
+        with pytest.raises(
+            FusedQKVParallelismError,
+            match=r"over 2 ranks .* 6 query, 3 key and 3 value heads of 16 .* divides 6 and 3",
+        ):
+            fused._resolve_parallel_plans(DistributedConfig(tp_size=2))
+
+
+def test_tensor_parallel_plan_in_another_style_than_colwise_is_refused(checkpoint):
+    with layerswap.use_bundle("llama-fused_qkv"):
+        fused = AutoModelForCausalLM.from_pretrained(checkpoint("llama"))
+        fused._tp_plan = {**fused._tp_plan, "model.layers.*.self_attn.qkv_proj": "rowwise"}
+        with pytest.raises(FusedQKVParallelismError, match=r"qkv_proj as \['rowwise'\].*'colwise'"):
+            fused._resolve_parallel_plans(DistributedConfig(tp_size=2))
 
 
 class _FakeMesh:
@@ -288,16 +322,20 @@ class _FakeMesh:
         return None
 
 
-def test_from_pretrained_with_tp_plan_fails_before_sharding(checkpoint):
-    path = checkpoint("llama")
+def test_from_pretrained_with_a_tensor_parallel_size_that_splits_a_head_fails_before_sharding(tmp_path):
+    tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3).save_pretrained(
+        tmp_path
+    )
     with (
         layerswap.use_bundle("llama-fused_qkv"),
         mock.patch.object(distributed_mixin, "initialize_distributed_mesh", return_value=(None, _FakeMesh())),
+        mock.patch.object(distributed_mixin, "apply_tensor_parallelism") as shard,
         pytest.raises(FusedQKVParallelismError, match="llama-fused_qkv"),
     ):
         AutoModelForCausalLM.from_pretrained(
-            path, distributed_config=DistributedConfig(tp_size=2, tp_plan="auto")
+            tmp_path, distributed_config=DistributedConfig(tp_size=2, tp_plan="auto")
         )
+    shard.assert_not_called()
 
 
 def test_parallel_plan_guard_is_shared_and_restored_exactly():

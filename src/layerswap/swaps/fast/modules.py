@@ -63,13 +63,15 @@ def _check_group_a(module: nn.Module) -> None:
             raise KernelInputError(
                 f"{name} has no `{attribute}`: layerswap's fused experts need the group-A layout"
             )
-    mismatches = hf_experts.layout_mismatches(module)
+    # Under expert parallelism each rank holds its own experts (gate_up_proj [E_local, 2I, H]) and marks routes to
+    # the others with id E_local (weight 0): the kernels skip ids >= E, as stock skips them.
+    mismatches = hf_experts.layout_mismatches(module, expert_parallel_ok=True)
     if mismatches:
         flag, found, expected = mismatches[0]
         raise KernelInputError(
             f"{name}.{flag} is {found}, but layerswap's fused experts support only {flag}={expected} "
-            "(gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I], no bias, one process per "
-            "expert set); use experts_implementation='grouped_mm' for this module"
+            "(gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I], no bias); use "
+            "experts_implementation='grouped_mm' for this module"
         )
     if hf_experts.overrides_apply_gate(type(module)):
         raise KernelInputError(

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from ..._hf.compat import TRANSFORMERS_VERSION
 from ...bundle import BundleOptions
-from ...errors import UnsupportedTransformersError
+from ...errors import FusedQKVParallelismError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
 from .conversion import FusedQKVConverter
 
@@ -44,6 +44,8 @@ _CURRENT = "_layerswap_current_qkv"  # (hidden_states, [q, k, v]) while the stoc
 # Tokens up to which one fused GEMM beat three on CPU (see the module docstring), by dtype; bf16 / fp16 otherwise.
 _CPU_FUSED_GEMM_MAX_ROWS = {torch.float32: 2}
 _CPU_FUSED_GEMM_MAX_ROWS_HALF = 256
+# Tensor-parallel styles that shard a projection's weight but hand every rank the whole output.
+_GATHERED_OUTPUT_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
 
 
 class FusedQKVAttention(nn.Module):
@@ -112,7 +114,7 @@ class FusedQKVAttention(nn.Module):
             return tuple(F.linear(hidden_states, w, b) for w, b in zip(weights, biases, strict=True))
         fused = projection(hidden_states)
         # Views of the last dim (stride 1), so the stock `.view(..., -1, head_dim).transpose(1, 2)` copies nothing.
-        parts = fused.split(self.qkv_sizes, dim=-1)
+        parts = fused.split(self._sizes_for(fused.shape[-1]), dim=-1)
         if fused.requires_grad:
             # Views share one version counter: a stock forward that edits one in place (olmoe's clip_qkv clamp_)
             # would invalidate another one saved for backward. Only autograd needs separate tensors.
@@ -132,19 +134,66 @@ class FusedQKVAttention(nn.Module):
 
     # --- what the loading hooks ask a swapped module (layerswap._hf) ---
 
-    # A fused q|k|v cannot take a column split: tensor parallelism refuses to shard inside one.
-    _layerswap_unshardable = (
-        "the '{model_type}-fused_qkv' bundle fused its q/k/v projections into one qkv_proj. A column split of the "
-        "fused q|k|v weight gives each rank a mix of query, key and value rows instead of its own heads, and "
-        "transformers has no style that shards the three blocks separately. Disable the bundle for "
-        "tensor-parallel runs (layerswap.disable_bundle('{model_type}-fused_qkv')), or load without tensor "
-        "parallelism (device_map='auto' works)."
-    )
-
     @classmethod
     def _layerswap_tp_plan(cls, owner: str, leaf: str, style: str) -> dict[str, str] | None:
-        """The stock plan's q/k/v entries match nothing here: they go (the other entries stay)."""
-        return {} if leaf in PROJECTIONS else None
+        """The stock q/k/v entries become one `qkv_proj` entry in their style: `colwise` (each rank its own heads),
+        or no entry where stock gathers the full q, k and v on every rank (olmoe's `colwise_gather_output`, for its
+        full-width norms): an unsharded qkv_proj computes that same full output, with the whole weight on every
+        rank. Another style is refused by _layerswap_check_tensor_parallel. The other entries stay."""
+        if leaf not in PROJECTIONS:
+            return None
+        return {} if style in _GATHERED_OUTPUT_STYLES else {f"{owner}.qkv_proj": style}
+
+    def _layerswap_check_tensor_parallel(self, name: str, plan: dict[str, str], tp_size: int) -> None:
+        """Refuse, before any weight is loaded, a resolved plan (`plan`: its entries inside this module) that
+        would not give each of the `tp_size` ranks whole heads of q, k and v.
+
+        Sharded colwise, `qkv_proj` holds on each rank its own block of q heads, then k heads, then v heads (as
+        vLLM's QKVParallelLinear does): transformers cuts each of the checkpoint's q_proj, k_proj and v_proj on
+        read by qkv_proj's row placement, and ConcatenateQKV joins the three cuts. That needs the query and the
+        key/value heads to divide by the ranks."""
+        styles = {rule[len(name) + 1 :]: style for rule, style in plan.items()}
+        fused = {leaf: style for leaf, style in styles.items() if leaf.split(".")[0] == "qkv_proj"}
+        wrong = {leaf: style for leaf, style in fused.items() if style != "colwise"}
+        model_type = self._layerswap_model_type()
+        bundle = f"the '{model_type}-fused_qkv' (or '{model_type}-fast') bundle"
+        if wrong:
+            raise FusedQKVParallelismError(
+                f"Tensor parallelism would shard {name}.qkv_proj as {sorted(set(wrong.values()))}: {bundle} fused "
+                "q/k/v into one qkv_proj, which shards head-wise only as 'colwise' (each rank its own q, k and v "
+                "heads). Use 'colwise' for q_proj/k_proj/v_proj in the plan, or disable the bundle for this run."
+            )
+        if not fused:
+            return
+        head_dim = self._layerswap_head_dim()
+        heads = tuple(size // head_dim for size in self.qkv_sizes)
+        uneven = any(size % head_dim for size in self.qkv_sizes) or any(count % tp_size for count in heads)
+        if uneven:
+            raise FusedQKVParallelismError(
+                f"Tensor parallelism over {tp_size} ranks cannot give each rank whole heads of {name}: its fused "
+                f"qkv_proj holds {heads[0]} query, {heads[1]} key and {heads[2]} value heads of {head_dim} "
+                f"(widths {self.qkv_sizes}), and {tp_size} does not divide them all. Use a tensor-parallel size "
+                f"that divides {heads[0]} and {heads[1]}, or disable {bundle} for this run."
+            )
+
+    def _layerswap_head_dim(self) -> int:
+        head_dim = getattr(self, "head_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0:
+            return head_dim
+        config = getattr(self, "config", None)
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def _layerswap_model_type(self) -> str:
+        return getattr(getattr(self, "config", None), "model_type", None) or "<model_type>"
+
+    def _sizes_for(self, width: int) -> tuple[int, int, int]:
+        """The (q, k, v) widths of a `width`-wide qkv_proj output: `qkv_sizes`, or under tensor parallelism this
+        rank's share of each (whole heads, checked when the plan was resolved)."""
+        total = sum(self.qkv_sizes)
+        if width == total:
+            return self.qkv_sizes
+        shards = total // width
+        return tuple(size // shards for size in self.qkv_sizes)
 
     def _layerswap_conversions_kept_when_quantized(self) -> tuple[type, ...]:
         """A quantized qkv_proj cannot be split on save: it saves fused, as loaded."""

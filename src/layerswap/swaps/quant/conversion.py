@@ -27,6 +27,7 @@ from transformers.core_model_loading import (
 )
 
 from ..._hf.conversions import source_patterns, target_patterns
+from ..._hf.parallel import local_shard
 from ...bundle import BundleOptions, ExpertsFlags, FusedTensor
 from .._stock_layout import experts_layout, is_per_expert_merge, stock_experts_layout
 
@@ -41,7 +42,8 @@ class SplitFusedExperts(ConversionOps):
     `targets` are per-expert key patterns with `*` for the expert index, one per projection the tensor holds:
     gate_up splits into gate (the first half of its rows, or the even rows where interleaved) and up. Transposed
     weights (`[E, in, out]`) are transposed to nn.Linear's `[out, in]` first; flat ones (`[E * out, in]`, dbrx)
-    are viewed per expert.
+    are viewed per expert. Under tensor parallelism the fused tensor arrives whole (`read_fused_sources_whole`)
+    and each piece is cut to this rank's part of the weight it loads into.
     """
 
     def __init__(self, targets: tuple[str, ...], tensor: FusedTensor | None = None) -> None:
@@ -61,8 +63,9 @@ class SplitFusedExperts(ConversionOps):
             raise ValueError(
                 f"SplitFusedExperts expects {spec.name} as {_expected_form(spec)}, got {tuple(tensor.shape)}"
             )
+        model, layer_name = kwargs.get("model"), kwargs.get("full_layer_name")
+        experts = _experts_module(model, layer_name) if model is not None and layer_name else None
         if spec.flat:
-            experts = _experts_module(kwargs["model"], kwargs["full_layer_name"])
             tensor = tensor.view(experts.num_experts, -1, tensor.shape[-1])
         if spec.transposed:
             tensor = tensor.transpose(1, 2)
@@ -71,11 +74,16 @@ class SplitFusedExperts(ConversionOps):
             parts = [tensor[:, index::count] for index in range(count)]
         else:
             parts = tensor.chunk(count, dim=1)
-        return {
-            target.removeprefix(_AT_NAME_START).replace("*", str(expert)): _with_own_storage(part[expert])
-            for target, part in zip(self.targets, parts, strict=True)
-            for expert in range(tensor.shape[0])
-        }
+        pieces = {}
+        for target, part in zip(self.targets, parts, strict=True):
+            leaf = target.split("*.", 1)[1]  # the parameter inside one expert: gate_proj.weight
+            for expert in range(tensor.shape[0]):
+                piece = part[expert]
+                if experts is not None:
+                    piece = local_shard(experts.get_parameter(f"{expert}.{leaf}"), piece)
+                name = target.removeprefix(_AT_NAME_START).replace("*", str(expert))
+                pieces[name] = _with_own_storage(piece)
+        return pieces
 
 
 def _expected_form(spec: FusedTensor) -> str:

@@ -104,6 +104,8 @@ class LinearExperts(nn.ModuleList):
 
     _layerswap_original: type[nn.Module]
     _layerswap_strict = True  # a checkpoint lacking these weights is an error, never a random init
+    # Per-expert modules named as transformers v4 named them: PEFT must target them as written (peft_adapters).
+    _layerswap_per_expert_modules = True
     _layerswap_bundle = "<model_type>-quant"
     # The family's layout where its class declares none (llama4's transposed experts are undecorated).
     _layerswap_flags: ExpertsFlags | None = None

@@ -1,0 +1,169 @@
+"""Swapped modules on two CPU ranks (gloo): tensor parallelism (`tp_plan="auto"`) against one process.
+
+One world of two spawned ranks runs every sharded load of this module (`_support.distributed`); the reference
+logits come from the same checkpoints loaded in this process, without a bundle. docs/distributed.md lists what
+these tests cover.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import layerswap
+from _support.checkpoints import read_checkpoint
+from _support.distributed import Load, distributed_available, load_on_ranks, run_on_ranks
+from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
+
+pytestmark = pytest.mark.skipif(not distributed_available(), reason="torch without gloo")
+
+# qwen3_moe: per-expert names gate_proj/up_proj/down_proj, per-head q/k norms; mixtral: renamed ones (w1/w3/w2)
+# under block_sparse_moe; llama: dense; olmoe: full-width q/k norms, so its stock plan gathers q, k and v. All with
+# GQA (4 query, 2 key/value heads) and a stock tensor-parallel plan.
+MODEL_TYPES = ("qwen3_moe", "mixtral", "llama", "olmoe")
+# Per-expert checkpoints are what save_pretrained writes by default; fused ones (`experts.gate_up_proj [E, 2I, H]`)
+# what save_original_format=False writes, and v5-native checkpoints hold.
+LAYOUTS = ("per_expert", "fused")
+# (model type, checkpoint layout, bundles): every tensor-parallel load the world runs; stock ones are the baseline.
+TP_CASES = [
+    *[(t, layout, ()) for t in MODEL_TYPES for layout in LAYOUTS],
+    *[(t, layout, (f"{t}-quant",)) for t in ("qwen3_moe", "mixtral") for layout in LAYOUTS],
+    *[(t, "per_expert", (f"{t}-fused_qkv",)) for t in MODEL_TYPES],
+    ("qwen3_moe", "per_expert", ("qwen3_moe-quant", "qwen3_moe-fused_qkv")),
+    *[(t, layout, (f"{t}-fast",)) for t in ("qwen3_moe", "mixtral", "olmoe") for layout in LAYOUTS],
+]
+# Expert parallelism as transformers runs it on two ranks: ep_size == tp_size, whole experts per rank (4 of 8), the
+# attention tensor-parallel.
+EP_CASES = [
+    *[(t, "per_expert", bundles, "ep") for t in ("qwen3_moe", "mixtral") for bundles in ((), (f"{t}-fast",))],
+    ("qwen3_moe", "fused", ("qwen3_moe-fast",), "ep"),
+    ("qwen3_moe", "per_expert", ("qwen3_moe-quant",), "ep"),
+]
+CASES = [(*case, "tp") for case in TP_CASES] + EP_CASES
+# from_pretrained's arguments for each mode.
+MODES = {"tp": (("tp_plan", "auto"),), "ep": (("distributed_config", {"tp_size": 2, "ep_size": 2}),)}
+# The experts' intermediate size in the tiny configs.
+EXPERT_INTERMEDIATE = {"qwen3_moe": 64, "mixtral": 128, "olmoe": 128, "llama": 0}
+# fp32 logits of sums in another order: stock sharded against one process differs by about 2e-7.
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _name(model_type, layout, bundles, mode):
+    return "-".join(
+        [model_type, layout, *(b.split("-", 1)[1] for b in bundles), *([mode] if mode != "tp" else [])]
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The folder holding every sharded load's logits (or error) and save, the one-process logits, the stock
+    models' state dicts and the checkpoints."""
+    root = tmp_path_factory.mktemp("distributed")
+    input_ids = tiny_input_ids()
+    checkpoints, expected, originals = {}, {}, {}
+    for model_type in MODEL_TYPES:
+        model = tiny_model(model_type)
+        originals[model_type] = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            expected[model_type] = text_logits(model, input_ids)
+        for layout in LAYOUTS:
+            path = root / f"{model_type}-{layout}"
+            model.save_pretrained(path, save_original_format=layout == "per_expert")
+            checkpoints[model_type, layout] = path
+    # A checkpoint holding qkv_proj fused, as a save without the stock conversions writes it.
+    with layerswap.use_bundle("llama-fused_qkv"):
+        fused_attention = AutoModelForCausalLM.from_pretrained(checkpoints["llama", "per_expert"])
+        fused_attention.save_pretrained(root / "llama-qkv_proj", save_original_format=False)
+    loads = [
+        Load(_name(*case), case[0], str(checkpoints[case[:2]]), case[2], MODES[case[3]], save=bool(case[2]))
+        for case in CASES
+    ]
+    loads.append(
+        Load("llama-qkv_proj-fused_qkv", "llama", str(root / "llama-qkv_proj"), ("llama-fused_qkv",))
+    )
+    run_on_ranks(load_on_ranks, loads, input_ids, str(root), timeout_s=300)
+    return root, expected, originals, checkpoints
+
+
+def _logits(root, name):
+    error = root / f"{name}.error"
+    assert not error.exists(), error.read_text()
+    return torch.load(root / f"{name}.pt")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_name(*case) for case in CASES])
+def test_sharded_logits_match_one_process(sharded, case):
+    # Stock: the baseline. -quant: fused checkpoints used to be cut along the experts axis (by the rules of one
+    # expert's 2D weight) before the split, and the load failed with CheckpointShapeError. -fused_qkv: each rank
+    # holds its own q, k and v heads in qkv_proj. -fast under expert parallelism: its kernels used to refuse
+    # experts marked _is_expert_parallel (KernelInputError).
+    root, expected, _, _ = sharded
+    torch.testing.assert_close(_logits(root, _name(*case)), expected[case[0]], **TOLERANCE)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_name(*case) for case in CASES])
+def test_the_swapped_modules_are_sharded(sharded, case):
+    model_type, _, bundles, mode = case
+    root = sharded[0]
+    _logits(root, _name(*case))
+    built = json.loads((root / f"{_name(*case)}.json").read_text())
+    sharded_shapes = built["sharded"]
+    assert bool(built["swapped"]) == bool(bundles), built["swapped"]
+    layer = "model.layers.0"
+    hidden, intermediate = 64, EXPERT_INTERMEDIATE[model_type]
+    if mode == "ep" and any(bundle.endswith("-quant") for bundle in bundles):
+        # transformers' expert-parallel styles shard stacked 3D experts; LinearExperts' nn.Linear stay whole, so
+        # every rank holds every expert (the dispatch then runs them all on the first rank): right, not smaller.
+        assert not any(".experts." in name for name in sharded_shapes)
+    elif any(bundle.endswith("-quant") for bundle in bundles):
+        expert = f"{layer}.mlp.experts.0"
+        gate, down = ("w1", "w2") if model_type == "mixtral" else ("gate_proj", "down_proj")
+        # Each rank holds half of every expert's intermediate rows (gate) and columns (down).
+        assert sharded_shapes[f"{expert}.{gate}.weight"] == [intermediate // 2, hidden]
+        assert sharded_shapes[f"{expert}.{down}.weight"] == [hidden, intermediate // 2]
+    if mode == "ep" and (not bundles or any(bundle.endswith("-fast") for bundle in bundles)):
+        # Whole experts per rank: 4 of the 8.
+        assert sharded_shapes[f"{layer}.mlp.experts.gate_up_proj"] == [4, 2 * intermediate, hidden]
+    elif any(bundle.endswith("-fast") for bundle in bundles):
+        # The stock 3D experts, sharded by the stock plan: half of the gate rows and half of the up rows.
+        assert sharded_shapes[f"{layer}.mlp.experts.gate_up_proj"] == [8, intermediate, hidden]
+    if any(bundle.endswith(("-fused_qkv", "-fast")) for bundle in bundles):
+        qkv = f"{layer}.self_attn.qkv_proj.weight"
+        if model_type == "olmoe":  # stock gathers q, k and v: qkv_proj stays whole on every rank
+            assert qkv not in sharded_shapes
+        else:  # half of the 4 query and 2 key/value heads of 16
+            assert sharded_shapes[qkv] == [(4 + 2 + 2) * 16 // 2, hidden]
+
+
+SAVED = [case for case in CASES if case[2]]
+
+
+@pytest.mark.parametrize("case", SAVED, ids=[_name(*case) for case in SAVED])
+def test_a_save_from_the_sharded_model_reloads_in_stock_transformers_bitwise(sharded, case):
+    model_type, layout, _, _ = case
+    root, _, originals, checkpoints = sharded
+    _logits(root, _name(*case))
+    saved = root / f"{_name(*case)}-saved"
+    if layout == "per_expert":
+        # Same keys, same bytes as the checkpoint it came from (as the one-process save tests ask).
+        ours, original = read_checkpoint(saved), read_checkpoint(checkpoints[model_type, layout])
+        assert ours.keys() == original.keys()
+        assert all(torch.equal(ours[k], original[k]) for k in ours)
+    reloaded, info = auto_class(model_type).from_pretrained(saved, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    state = reloaded.state_dict()
+    assert state.keys() == originals[model_type].keys()
+    assert all(torch.equal(state[k], originals[model_type][k]) for k in state)
+
+
+def test_a_checkpoint_with_qkv_proj_fused_is_refused_under_tensor_parallelism(sharded):
+    # Cut on read into contiguous row blocks, a [q|k|v] tensor would give the first rank only query rows.
+    root = sharded[0]
+    error = (root / "llama-qkv_proj-fused_qkv.error").read_text()
+    assert error.startswith(
+        "FusedQKVParallelismError: The checkpoint holds model.layers.0.self_attn.qkv_proj"
+    )
+    assert "over 2 ranks" in error and "save_pretrained(path)" in error

@@ -1,8 +1,8 @@
 """The load guard around `PreTrainedModel._finalize_model_loading`, which would give swapped-in modules whose
 weights the checkpoint lacks a random init.
 
-Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError (one that
-tensor parallelism cannot cut, the conversion's FusedQKVParallelismError), missing
+Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError, one that
+tensor parallelism cut wrongly the module's own error (`_layerswap_check_checkpoint_keys`), missing
 weights MissingExpertWeightsError (WeightConversionError when the quantizer failed on weights the checkpoint has).
 After: a warning when a bundle swapped nothing, and after a quantized load, the quantized swapped-in layers keep
 saving as they are and the heap is trimmed.
@@ -10,19 +10,15 @@ saving as they are and the heap is trimmed.
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import warnings
 from typing import Any
 
 from torch import nn
 
-from ..errors import (
-    CheckpointShapeError,
-    FusedQKVParallelismError,
-    LayerswapWarning,
-    MissingExpertWeightsError,
-    WeightConversionError,
-)
+from ..errors import CheckpointShapeError, LayerswapWarning, MissingExpertWeightsError, WeightConversionError
 from ..quantized import is_quantized_linear
 from . import quantizers
 from .active import enabled_records, is_swapped, swapped_modules
@@ -30,7 +26,6 @@ from .records import check_recorded_bundles
 
 # How a conversion op's CheckpointShapeError reads in transformers' record of it (a traceback's last line).
 _SHAPE_ERROR = f"{CheckpointShapeError.__module__}.{CheckpointShapeError.__qualname__}: "
-_PARALLELISM_ERROR = f"{FusedQKVParallelismError.__module__}.{FusedQKVParallelismError.__qualname__}: "
 
 
 def make_guarded_finalize(original: staticmethod) -> staticmethod:
@@ -41,6 +36,7 @@ def make_guarded_finalize(original: staticmethod) -> staticmethod:
         check_recorded_bundles(model, load_config, loading_info)
         swapped = swapped_modules(model)  # one walk of the module tree for every check below
         _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
+        _check_checkpoint_keys(swapped, load_config)
         if not _loads_no_weights_at_all(model, load_config, loading_info):
             _raise_on_missing_swapped_weights(model, swapped, load_config, loading_info)
         result = finalize(model, load_config, loading_info)
@@ -83,8 +79,6 @@ def _raise_on_wrong_shaped_swapped_weights(
     errors: dict[str, str] = getattr(loading_info, "conversion_errors", None) or {}
     for key, text in sorted(errors.items()):
         _, error = _summarize_conversion_error(text)
-        if key.startswith(prefixes) and error.startswith(_PARALLELISM_ERROR):
-            raise FusedQKVParallelismError(error.split(": ", 1)[-1])
         if key.startswith(prefixes) and error.startswith(_SHAPE_ERROR):
             raise CheckpointShapeError(
                 f"{source} has weights of modules layerswap swapped in with the wrong shape: "
@@ -110,6 +104,37 @@ def _raise_on_wrong_shaped_swapped_weights(
             "its own config.json, or pass ignore_mismatched_sizes=True to from_pretrained to initialise those "
             "weights randomly on purpose."
         )
+
+
+def _check_checkpoint_keys(swapped: list[tuple[str, nn.Module]], load_config: Any) -> None:
+    """Let each swapped module that asks (`_layerswap_check_checkpoint_keys(name, keys)`, which returns whether it
+    needs the keys at all, then raises on them) see the checkpoint's tensor names: a fused attention sharded by
+    tensor parallelism refuses a checkpoint that holds qkv_proj fused. The names are read only for such a
+    module."""
+    asking = [(name, m) for name, m in swapped if getattr(m, "_layerswap_check_checkpoint_keys", None)]
+    asking = [(name, m) for name, m in asking if m._layerswap_check_checkpoint_keys(name, None)]
+    if not asking:
+        return
+    keys = _checkpoint_keys(load_config)
+    for name, module in asking:
+        module._layerswap_check_checkpoint_keys(name, keys)
+
+
+def _checkpoint_keys(load_config: Any) -> frozenset[str]:
+    """The tensor names of the checkpoint being loaded: the index's, or a local folder's safetensors files'."""
+    metadata = getattr(load_config, "sharded_metadata", None) or {}
+    if metadata.get("all_checkpoint_keys"):
+        return frozenset(metadata["all_checkpoint_keys"])
+    source = getattr(load_config, "pretrained_model_name_or_path", None)
+    if source is None or not os.path.isdir(source):
+        return frozenset()
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in sorted(glob.glob(os.path.join(source, "*.safetensors"))):
+        with safe_open(path, "pt") as checkpoint:
+            keys.update(checkpoint.keys())
+    return frozenset(keys)
 
 
 def _loads_no_weights_at_all(model: nn.Module, load_config: Any, loading_info: Any) -> bool:

@@ -22,7 +22,6 @@ from layerswap.errors import MissingExpertWeightsError
 from layerswap.families import FAMILIES
 from layerswap.swaps.fused_qkv.conversion import (
     ConcatenateQKV,
-    FusedQKVCheckpoint,
     FusedQKVConverter,
     SplitQKV,
     config_qkv_sizes,
@@ -123,9 +122,7 @@ def test_conversion_edit_keeps_every_other_stock_transform(model_type):
     stock = conversion_mapping.get_checkpoint_conversion_mapping(model_type) or []
     edited = fused_qkv_conversions(stock, options=None)
     assert edited[: len(stock)] == stock
-    # q/k/v -> qkv_proj for weight and bias, then a checkpoint's own qkv_proj (refused under tensor parallelism).
-    added = [FusedQKVConverter, FusedQKVConverter, FusedQKVCheckpoint, FusedQKVCheckpoint]
-    assert [type(t) for t in edited[len(stock) :]] == added
+    assert [type(t) for t in edited[len(stock) :]] == [FusedQKVConverter, FusedQKVConverter]
     # Applying it again (as a later re-sync does to an already edited list) adds nothing.
     assert len(fused_qkv_conversions(edited, options=None)) == len(edited)
 

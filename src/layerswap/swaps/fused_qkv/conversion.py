@@ -12,11 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, WeightTransform
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightTransform
 
 from ..._hf.parallel import row_shards
 from ...bundle import BundleOptions
-from ...errors import FusedQKVParallelismError
 
 _PREFIX = "self_attn"  # where every family in the catalog keeps its attention module
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -148,59 +147,10 @@ class FusedQKVConverter(WeightConverter):
         return True
 
 
-class RefuseFusedUnderTensorParallelism(ConversionOps):
-    """A checkpoint's own fused `qkv_proj` tensor, passed through, or refused where the model's qkv_proj is
-    sharded: transformers cuts a checkpoint tensor on read into contiguous row blocks, which for a [q|k|v] tensor
-    gives the first rank all the query rows and the last one the key and value rows, not each rank its own heads
-    (what stock q/k/v checkpoints give, cut one by one)."""
-
-    @torch.no_grad()
-    def convert(
-        self,
-        input_dict: dict[str, Any],
-        source_patterns: list[str],
-        target_patterns: list[str],
-        full_layer_name: str | None = None,
-        model: torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> dict[str, torch.Tensor]:
-        ((_, tensors),) = input_dict.items()
-        if model is not None and full_layer_name:
-            module_name, parameter = _module_and_parameter(full_layer_name)
-            module = _submodule(model, module_name)
-            projection = getattr(module, "qkv_proj", None)
-            shards = row_shards(getattr(projection, parameter)) if hasattr(module, "qkv_sizes") else 1
-            if shards > 1:
-                raise FusedQKVParallelismError(
-                    f"The checkpoint holds {full_layer_name} fused (saved with save_original_format=False), and "
-                    f"tensor parallelism over {shards} ranks would cut it into contiguous row blocks: the first "
-                    "rank would get only query rows, not its own query, key and value heads. Save the checkpoint in "
-                    "the stock q_proj/k_proj/v_proj layout first (load it in one process under the bundle and call "
-                    "save_pretrained(path)), then load that with tensor parallelism."
-                )
-        return {target_patterns[0]: _single(tensors)}
-
-
-class FusedQKVCheckpoint(WeightConverter):
-    """Loads a checkpoint's own fused `qkv_proj` as it is (or refuses it under tensor parallelism). Load-only:
-    saving writes q/k/v through FusedQKVConverter's reverse."""
-
-    __slots__ = ()
-
-    def was_used(self) -> bool:
-        return False
-
-    def reverse_transform(self) -> WeightTransform:
-        # A from_config model saves with every conversion reversed: this one must match nothing then.
-        return WeightRenaming(source_patterns=r"(?!)", target_patterns=r"(?!)")
-
-
 def fused_qkv_conversions(stock: list[WeightTransform], options: BundleOptions) -> list[WeightTransform]:
     """The ConversionEdit of the '-fused_qkv' bundles: keep every other transform (the family's renamings and
     expert merges, or what the '-quant' edit made of them) and add the q/k/v fusion for weights and biases."""
-    kept = [
-        transform for transform in stock if not isinstance(transform, (FusedQKVConverter, FusedQKVCheckpoint))
-    ]
+    kept = [transform for transform in stock if not isinstance(transform, FusedQKVConverter)]
     fusions = [
         FusedQKVConverter(
             source_patterns=[f"{_PREFIX}.{projection}.{parameter}" for projection in _PROJECTIONS],
@@ -209,12 +159,4 @@ def fused_qkv_conversions(stock: list[WeightTransform], options: BundleOptions) 
         )
         for parameter in ("weight", "bias")
     ]
-    fused_checkpoints = [
-        FusedQKVCheckpoint(
-            source_patterns=f"{_PREFIX}.qkv_proj.{parameter}",
-            target_patterns=f"{_PREFIX}.qkv_proj.{parameter}",
-            operations=[RefuseFusedUnderTensorParallelism()],
-        )
-        for parameter in ("weight", "bias")
-    ]
-    return [*kept, *fusions, *fused_checkpoints]
+    return [*kept, *fusions]

@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..._hf.compat import TRANSFORMERS_VERSION
+from ..._hf.parallel import row_shards
 from ...bundle import BundleOptions
 from ...errors import FusedQKVParallelismError, UnsupportedTransformersError
 from ...quantized import is_quantized_linear
@@ -175,6 +176,26 @@ class FusedQKVAttention(nn.Module):
                 f"(widths {self.qkv_sizes}), and {tp_size} does not divide them all. Use a tensor-parallel size "
                 f"that divides {heads[0]} and {heads[1]}, or disable {bundle} for this run."
             )
+
+    def _layerswap_check_checkpoint_keys(self, name: str, keys: frozenset[str] | None) -> bool:
+        """Asked after loading (keys None: whether it needs the checkpoint's keys at all): a checkpoint holding
+        qkv_proj fused was cut on read into contiguous row blocks, which under tensor parallelism gives the first
+        rank only query rows, not its own q, k and v heads (stock q/k/v checkpoints are cut one by one)."""
+        shards = row_shards(self.qkv_proj.weight)
+        if keys is None or shards == 1:
+            return shards > 1
+        # From `layers.` on: transformers may add or drop the base model's prefix on load.
+        suffix = "layers." + name.split("layers.", 1)[1] if "layers." in name else name
+        fused = sorted(k for k in keys if k.endswith(f"{suffix}.qkv_proj.weight"))
+        if fused:
+            raise FusedQKVParallelismError(
+                f"The checkpoint holds {fused[0]} fused (saved with save_original_format=False), and tensor "
+                f"parallelism over {shards} ranks cut it into contiguous row blocks: the first rank got only query "
+                "rows, not its own query, key and value heads. Save the checkpoint in the stock "
+                "q_proj/k_proj/v_proj layout first (load it in one process under the bundle and call "
+                "save_pretrained(path)), then load that with tensor parallelism."
+            )
+        return True
 
     def _layerswap_head_dim(self) -> int:
         head_dim = getattr(self, "head_dim", None)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import layerswap
+from _support.global_state import assert_wrapper_shared_and_restored
 from layerswap._hf import parallel
 
 sharding_utils = pytest.importorskip("transformers.distributed.sharding_utils")
@@ -14,15 +14,9 @@ DtensorShardOperation = sharding_utils.DtensorShardOperation
 
 
 def test_shard_on_read_wrapper_is_shared_and_restored_exactly():
-    original = DtensorShardOperation.__dict__["shard_tensor"]
-    layerswap.enable_bundle("qwen3_moe-quant")
-    layerswap.enable_bundle("mixtral-quant")
-    wrapped = DtensorShardOperation.__dict__["shard_tensor"]
-    assert wrapped is not original
-    layerswap.disable_bundle("qwen3_moe-quant")  # not the last one in: the wrapper stays
-    assert DtensorShardOperation.__dict__["shard_tensor"] is wrapped
-    layerswap.disable_bundle("mixtral-quant")
-    assert DtensorShardOperation.__dict__["shard_tensor"] is original
+    assert_wrapper_shared_and_restored(
+        DtensorShardOperation, "shard_tensor", ("qwen3_moe-quant", "mixtral-quant")
+    )
 
 
 def test_a_source_with_more_dimensions_than_its_parameter_is_read_whole():

@@ -124,3 +124,20 @@ def describe_difference(before: dict[str, Any], after: dict[str, Any]) -> str:
             else:
                 lines.append(f"{key}: {before[key]!r} -> {after[key]!r}")
     return "; ".join(lines)
+
+
+def assert_wrapper_shared_and_restored(owner: type, attribute: str, bundles: tuple[str, str]) -> None:
+    """Two bundles that each need `owner.attribute` wrapped share one wrapper, which stays while either is enabled
+    and goes when the last is disabled, leaving the original exactly."""
+    import layerswap
+
+    original = owner.__dict__[attribute]
+    first, second = bundles
+    layerswap.enable_bundle(first)
+    layerswap.enable_bundle(second)
+    wrapped = owner.__dict__[attribute]
+    assert wrapped is not original
+    layerswap.disable_bundle(first)  # not the last one in: the wrapper stays
+    assert owner.__dict__[attribute] is wrapped
+    layerswap.disable_bundle(second)
+    assert owner.__dict__[attribute] is original

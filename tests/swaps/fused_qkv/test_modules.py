@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 
 import layerswap
 from _support.checkpoints import checkpoint_factory
+from _support.global_state import assert_wrapper_shared_and_restored
 from _support.tiny_models import tiny_input_ids, tiny_model
 from layerswap import FusedQKVParallelismError
 from layerswap.bundle import BundleOptions
@@ -339,15 +340,9 @@ def test_from_pretrained_with_a_tensor_parallel_size_that_splits_a_head_fails_be
 
 
 def test_parallel_plan_guard_is_shared_and_restored_exactly():
-    original = DistributedMixin.__dict__["_resolve_parallel_plans"]
-    layerswap.enable_bundle("llama-fused_qkv")
-    layerswap.enable_bundle("qwen3-fused_qkv")
-    guarded = DistributedMixin.__dict__["_resolve_parallel_plans"]
-    assert guarded is not original
-    layerswap.disable_bundle("llama-fused_qkv")  # not the last one in: the guard stays
-    assert DistributedMixin.__dict__["_resolve_parallel_plans"] is guarded
-    layerswap.disable_bundle("qwen3-fused_qkv")
-    assert DistributedMixin.__dict__["_resolve_parallel_plans"] is original
+    assert_wrapper_shared_and_restored(
+        DistributedMixin, "_resolve_parallel_plans", ("llama-fused_qkv", "qwen3-fused_qkv")
+    )
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["cpu", "disk"])

@@ -156,12 +156,11 @@ def _raise_on_missing_swapped_weights(
         return
     # A weight tied to one the checkpoint has is not missing: finalizing ties it (diffusion_gemma's encoder
     # experts are its decoder's, and a checkpoint holds them once).
-    tied = _tied_weights(model)
-    missing = sorted(
-        k
-        for k in loading_info.missing_keys
-        if any(k.startswith(p) for p in prefixes) and (k not in tied or tied[k] in loading_info.missing_keys)
-    )
+    swapped_missing = [k for k in loading_info.missing_keys if any(k.startswith(p) for p in prefixes)]
+    if not swapped_missing:
+        return
+    tied = _tied_weights(model)  # expands the model's tie patterns over every parameter: only when needed
+    missing = sorted(k for k in swapped_missing if k not in tied or tied[k] in loading_info.missing_keys)
     if not missing:
         return
     shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")

@@ -175,7 +175,7 @@ def make_checked_post_init(original: Any) -> Any:
     def post_init(self: Any) -> None:
         swapped = swapped_modules(self)
         if swapped:
-            tie_swapped_parameters(self)  # before post_init expands the tie patterns
+            tie_swapped_parameters(self, swapped)  # before post_init expands the tie patterns
         original(self)
         if swapped:
             remember_bundles(self, swapped)  # what a save in a layout only they load records (records.py)
@@ -228,14 +228,15 @@ def _warn_on_unswapped_construction(model: nn.Module) -> None:
 _PER_EXPERT_PARAMETER = r"\d+\.[^.]+\.(?:weight|bias)"
 
 
-def tie_swapped_parameters(model: nn.Module) -> None:
+def tie_swapped_parameters(model: nn.Module, swapped: list[tuple[str, nn.Module]]) -> None:
     """Rewrite `model._tied_weights_keys` patterns that end in a swapped experts module's stock parameter name
     (diffusion_gemma ties its decoder's `...experts.gate_up_proj` to its encoder's) to that module's per-expert
     parameters. post_init expands each pattern over the model's parameters and raises when one matches nothing, so
-    left as they are, they would make the swapped model unbuildable. Set on the instance: the class keeps its own."""
+    left as they are, they would make the swapped model unbuildable. Set on the instance: the class keeps its own.
+    `swapped`: the model's swapped modules (`swapped_modules(model)`), found once by the caller."""
     mapping = getattr(model, "_tied_weights_keys", None)
     stock_names = {
-        name for module in model.modules() for name in getattr(module, "_layerswap_stock_parameter_names", ())
+        name for _, module in swapped for name in getattr(module, "_layerswap_stock_parameter_names", ())
     }
     if not isinstance(mapping, dict) or not stock_names:
         return

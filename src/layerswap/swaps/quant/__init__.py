@@ -14,22 +14,22 @@ from .modules import LinearExperts, linear_experts_adapter
 __all__ = ["LinearExperts", "build", "linear_experts_adapter", "linear_experts_conversions"]
 
 
-# Experts classes whose checkpoints store each projection in a module of its own, by stock class name: the module
-# names, in the MoE MLP and in the mixture-of-attention alike.
-_OWN_CONVERSIONS = {
-    "JetMoeParallelExperts": functools.partial(
-        parallel_experts_conversions, leaves=("input_linear", "output_linear")
-    ),
-}
+# Experts classes whose checkpoints store each projection of every expert in a module of its own (the family row's
+# tensors name those modules' weights), in the MoE MLP and the mixture-of-attention alike.
+_PER_PROJECTION_MODULES = frozenset({"JetMoeParallelExperts"})
 
 
 def build(family: Family) -> Bundle | None:
     if family.experts is None:
         return None
     adapter = linear_experts_adapter(f"{family.model_type}-quant", family.conversion_keys, family.flags)
-    edit = _OWN_CONVERSIONS.get(family.experts) or functools.partial(
-        linear_experts_conversions, family_types=family.conversion_keys, tensors=family.fused_tensors
-    )
+    if family.experts in _PER_PROJECTION_MODULES:
+        leaves = tuple(t.name.removesuffix(".weight") for t in family.fused_tensors)
+        edit = functools.partial(parallel_experts_conversions, leaves=leaves)
+    else:
+        edit = functools.partial(
+            linear_experts_conversions, family_types=family.conversion_keys, tensors=family.fused_tensors
+        )
     return Bundle.for_family(
         family,
         "quant",

@@ -147,6 +147,11 @@ class LinearExperts(nn.ModuleList):
         # What the config said when the model was built (grouped_mm unless asked otherwise); see
         # _check_experts_implementation.
         self._built_experts_implementation = configured_implementation(config)
+        self._adopt_from_stock(reference)
+
+    def _adopt_from_stock(self, reference: nn.Module) -> None:
+        """Take what a subclass keeps of the stock module besides its experts (LinearPostNormExperts: the norm),
+        from the meta-device `reference` built once above."""
 
     @property
     def _layerswap_stock_parameter_names(self) -> tuple[str, ...]:
@@ -535,10 +540,8 @@ class LinearPostNormExperts(LinearExperts):
     `post_expert_norm`, declared `has_post_expert_norm=True`): the norm stays a child of the experts module, under
     its stock name, and every expert applies it. Iterating or measuring the module sees the experts alone."""
 
-    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, *args, **kwargs)
-        with torch.device("meta"):
-            stock_norm = self._layerswap_original(config, *args, **kwargs).post_expert_norm
+    def _adopt_from_stock(self, reference: nn.Module) -> None:
+        stock_norm = reference.post_expert_norm
         try:
             norm = type(stock_norm)(self.hidden_dim, eps=stock_norm.eps)
         except (TypeError, AttributeError) as error:

@@ -55,11 +55,12 @@ class ReplayableRouter:
 
 
 def _softmax_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
-    # qwen2_moe, qwen3_moe, qwen3_next, olmoe, flex_olmo, mellum
+    # qwen2_moe, qwen3_moe, qwen3_next, olmoe, flex_olmo, mellum; qwen3_5_moe and qwen3_vl_moe, whose routers have no
+    # norm_topk_prob and always renormalize
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden_states, router.weight)
     weights = F.softmax(router_logits, dtype=torch.float, dim=-1).gather(-1, selected)
-    if router.norm_topk_prob:
+    if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return router_logits, weights.to(router_logits.dtype)
 
@@ -140,8 +141,12 @@ def _sigmoid_weights(router: Any, hidden_states: torch.Tensor, selected: torch.T
 
 
 def _minimax_m2_weights(
-    router: Any, hidden_states: torch.Tensor, selected: torch.Tensor, e_score_correction_bias: torch.Tensor
+    router: Any,
+    hidden_states: torch.Tensor,
+    selected: torch.Tensor,
+    e_score_correction_bias: torch.Tensor | None = None,
 ):
+    # minimax_m2 passes its correction bias in; step3p7 and minimax_m3_vl read it off the router. It only selects.
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
     router_logits = F.linear(hidden_states.to(router.weight.dtype), router.weight)
     weights = F.sigmoid(router_logits.float()).gather(1, selected)
@@ -221,15 +226,6 @@ def _sparsemixer_multiplier(
     return PhimoeMultiplier.apply(scores, multiplier, chosen, gates, mask_for_one)
 
 
-def _softmax_weights_renormalized_cast(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
-    # qwen3_5_moe, qwen3_vl_moe: float softmax, always renormalized, cast back to the logits' dtype
-    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-    router_logits = F.linear(hidden_states, router.weight)
-    weights = F.softmax(router_logits, dtype=torch.float, dim=-1).gather(-1, selected)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return router_logits, weights.to(router_logits.dtype)
-
-
 def _float32_softmax_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
     # lara_mini: logits in float32, cast to the input's dtype at the end
     hidden_states = hidden_states.reshape(-1, router.hidden_dim)
@@ -238,14 +234,6 @@ def _float32_softmax_weights(router: Any, hidden_states: torch.Tensor, selected:
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return router_logits, weights.to(hidden_states.dtype)
-
-
-def _sigmoid_weights_renormalized(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
-    # step3p7, minimax_m3_vl: minimax_m2's math with the correction bias read off the router
-    hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-    router_logits = F.linear(hidden_states.to(router.weight.dtype), router.weight)
-    weights = F.sigmoid(router_logits.float()).gather(1, selected)
-    return router_logits, weights / weights.sum(dim=-1, keepdim=True)
 
 
 def _mistral4_weights(router: Any, hidden_states: torch.Tensor, selected: torch.Tensor):
@@ -336,9 +324,9 @@ SCORERS: dict[str, Scorer] = {
     "Lfm2MoeTopKRouter": _lfm2_weights,
     "AfmoeTokenChoiceRouter": _afmoe_weights,
     "LagunaTopKRouter": _laguna_weights,
-    **dict.fromkeys(("Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter"), _softmax_weights_renormalized_cast),
+    **dict.fromkeys(("Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter"), _softmax_weights),
     "LaraMiniTopKRouter": _float32_softmax_weights,
-    **dict.fromkeys(("Step3p7TopKRouter", "MiniMaxM3VLTopKRouter"), _sigmoid_weights_renormalized),
+    **dict.fromkeys(("Step3p7TopKRouter", "MiniMaxM3VLTopKRouter"), _minimax_m2_weights),
     "Mistral4TopkRouter": _mistral4_weights,
     # Its group scoring is optional, and only selects: the weights are deepseek_v3's.
     "AXK2TopkRouter": _sigmoid_weights,

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from layerswap.kernels import Plan, cpu_dispatch, fused_moe, fused_moe_reference
+from layerswap.kernels import Plan, cpu_dispatch, fused_moe, fused_moe_reference, torch_moe
 from layerswap.kernels import _cpu_strategies as strategies
 from layerswap.kernels.cpu_dispatch import CpuInfo
-from layerswap.kernels.torch_moe import resolve_activation
+from layerswap.kernels.torch_moe import EXPERT_OPS, ROW_CLASSES, resolve_activation
 
 # Against the fp32 reference: stock rounds every intermediate to the weights' dtype, so bf16 (8 mantissa bits)
 # differs by a few units in the last place of outputs of magnitude 1-5; fp16 keeps 11 bits.
@@ -25,6 +25,9 @@ HIDDEN, INTERMEDIATE = 64, 48
 PLANS = {
     "stock": Plan("stock"),
     "layerswap": Plan("layerswap"),
+    # Each engine for every row count, and a mix (calibrated plans mix them: T=40 gives classes 2-4).
+    **{f"layerswap_{op}": Plan("layerswap", ops=(op,) * ROW_CLASSES) for op in EXPERT_OPS},
+    "layerswap_mixed": Plan("layerswap", ops=("mv", "grouped", "row", "wm", "grouped", "row", "wm")),
     "upcast": Plan("upcast"),  # default min_rows: the T below mix converted and direct experts
     "upcast_all_converted": Plan("upcast", min_rows=1),  # one-row experts converted too
     "upcast_none_converted": Plan("upcast", min_rows=10**6),  # every expert through torch's own GEMM
@@ -147,7 +150,9 @@ def test_activations_in_another_dtype_than_weights(plan: str) -> None:
 
 
 # The forced strategy runs through the public entry point, callables included, and T=0 returns an empty [0, H].
-@pytest.mark.parametrize("name", ["stock", "layerswap", "upcast", "upcast:1"])
+@pytest.mark.parametrize(
+    "name", ["stock", "layerswap", "layerswap:row", "layerswap:wm", "upcast", "upcast:1"]
+)
 def test_forced_strategy_through_fused_moe(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, name)
     problem = make_problem(33, dtype=torch.bfloat16)
@@ -159,10 +164,11 @@ def test_forced_strategy_through_fused_moe(monkeypatch: pytest.MonkeyPatch, name
     assert cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3]).source == "forced"
 
 
-def test_an_unknown_forced_strategy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, "magic")
+@pytest.mark.parametrize("text", ["magic", "layerswap:fastest", "stock:2", "upcast:many"])
+def test_an_unknown_forced_strategy_is_refused(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, text)
     problem = make_problem(3)
-    with pytest.raises(ValueError, match=r"LAYERSWAP_CPU_STRATEGY='magic'.*expected one of"):
+    with pytest.raises(ValueError, match=rf"LAYERSWAP_CPU_STRATEGY='{text}'.*expected one of"):
         cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
 
 
@@ -214,6 +220,35 @@ def test_calibration_picks_the_faster_strategy(calibrating, monkeypatch, slow: s
     assert (plan.strategy, plan.source) == (chosen, "calibrated")
 
 
+# The per-row-count engines: what is measurably faster per class; the grouped GEMM unless beaten by the margin.
+@pytest.mark.parametrize("slow", ["grouped", "row", "wm"])
+def test_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow: str) -> None:
+    real = torch_moe._expert_mlp
+
+    def expert_mlp(*args, op=None, **kwargs):
+        if op == slow:
+            time.sleep(0.003)
+        return real(*args, op=op, **kwargs)
+
+    monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
+    if slow == "grouped":
+        real_grouped = strategies._grouped_or_loop
+        monkeypatch.setattr(strategies, "_grouped_or_loop", _slow(0.003, real_grouped))
+    _, gate_up, down, _, _ = make_problem(1)
+    plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
+    assert plan.strategy == "layerswap" and len(plan.ops) == ROW_CLASSES
+    assert slow not in plan.ops
+    assert {name.partition("@")[0] for name in medians} == set(EXPERT_OPS)  # mv timed at one row only
+    assert [name for name in medians if name.startswith("mv@")] == ["mv@1"]
+
+
+def test_engine_ties_keep_the_grouped_gemm(calibrating, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_dispatch, "_median", lambda values: 1.0)  # every engine equally fast
+    _, gate_up, down, _, _ = make_problem(1)
+    plan, _ = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
+    assert plan.ops == ("grouped",) * ROW_CLASSES
+
+
 # A real calibration, end to end: the first no-grad call measures and caches, later calls only look up; bf16
 # also measures upcast's crossover (one entry per shape), and every entry lands in the file.
 def test_calibration_runs_once_per_bucket_and_is_cached(calibrating, monkeypatch) -> None:
@@ -228,7 +263,8 @@ def test_calibration_runs_once_per_bucket_and_is_cached(calibrating, monkeypatch
     assert calls == [64, 1]
     plans = json.loads(cpu_dispatch.cache_path().read_text())["plans"]
     prefix = f"bfloat16|E8|K2|H{HIDDEN}|I{INTERMEDIATE}|threads{torch.get_num_threads()}"
-    assert set(plans) == {f"{prefix}|T64", f"{prefix}|T1", f"{prefix}|crossover"}
+    assert set(plans) == {f"{prefix}|T64", f"{prefix}|T1", f"{prefix}|crossover", f"{prefix}|engines"}
+    assert len(plans[f"{prefix}|engines"]["ops"]) == ROW_CLASSES
     assert {"stock", "layerswap"} <= set(plans[f"{prefix}|T64"]["median_ms"])
 
     cpu_dispatch.clear_memory_cache()  # a new process: the file answers, nothing is measured

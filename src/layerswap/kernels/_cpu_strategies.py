@@ -5,8 +5,10 @@
 - `stock`: the computation of transformers' `grouped_mm` experts backend, op for op (one sort, one gather,
   torch's grouped GEMM over every expert, one unpermute and a sum over top_k), so picking it costs nothing
   against stock.
-- `layerswap`: `fused_moe_reference`, the per-expert path tuned on AVX-512 / AMX CPUs, where oneDNN's
-  weight-major bf16 GEMM streams at bandwidth.
+- `layerswap`: `fused_moe_reference`, the per-expert path, each expert on the engine (`torch_moe.EXPERT_OPS`:
+  grouped GEMM, GEMV, `x @ W.T` or weight-major) that this machine measured fastest for its row count
+  (`plan.ops`; empty: the defaults measured on AVX-512/AMX CPUs, where oneDNN's weight-major bf16 GEMM
+  streams at bandwidth).
 - `upcast`: for reduced-precision weights on CPUs without a native bf16/fp16 GEMM (AVX2 only, e.g. AMD Zen 2/3).
   There torch's bf16 GEMM for more than one row is a scalar-speed single-threaded loop: its time grows with the
   row count (about one GEMV per row), 5-10x a fp32 GEMM at 16-64 rows. So each expert with at least
@@ -39,12 +41,14 @@ class Plan:
 
     min_rows: `upcast` converts an expert's weights to fp32 from this many rows on (fewer: torch's own GEMM).
     block_bytes: `upcast` converts weights in row blocks of at most this many fp32 bytes.
+    ops: `layerswap` runs an expert with r rows on engine `ops[torch_moe.row_class(r)]`; () for the defaults.
     source: how the plan was chosen ("calibrated", "rule", "forced", "cached"), for reports and benchmarks.
     """
 
     strategy: str
     min_rows: int = DEFAULT_MIN_ROWS
     block_bytes: int = DEFAULT_BLOCK_BYTES
+    ops: tuple[str, ...] = ()
     source: str = field(default="rule", compare=False)
 
     def __post_init__(self) -> None:
@@ -54,11 +58,28 @@ class Plan:
             raise ValueError(f"Plan.min_rows must be >= 1, got {self.min_rows}")
         if self.block_bytes < 4096:
             raise ValueError(f"Plan.block_bytes must be >= 4096, got {self.block_bytes}")
+        if self.ops:
+            torch_moe.check_ops(self.ops)
 
     def describe(self) -> str:
         if self.strategy == "upcast":
             return f"upcast(min_rows={self.min_rows}, block={self.block_bytes >> 10} KiB)"
+        if self.strategy == "layerswap" and self.ops:
+            return f"layerswap({describe_ops(self.ops)})"
         return self.strategy
+
+
+def describe_ops(ops: tuple[str, ...]) -> str:
+    """`ops` as row ranges per engine, e.g. "1:mv 2-7:row 8+:wm"."""
+    lows = [1 << c for c in range(len(ops))]
+    parts, start = [], 0
+    for index in range(1, len(ops) + 1):
+        if index == len(ops) or ops[index] != ops[start]:
+            low = lows[start]
+            high = "+" if index == len(ops) else ("" if lows[index] - 1 == low else f"-{lows[index] - 1}")
+            parts.append(f"{low}{high}:{ops[start]}")
+            start = index
+    return " ".join(parts)
 
 
 def _grouped_or_loop(rows: torch.Tensor, weights_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -119,7 +140,13 @@ def layerswap(
     plan: Plan,
 ) -> torch.Tensor:
     return torch_moe.fused_moe_reference(
-        hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=act
+        hidden_states,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        activation=act,
+        ops=plan.ops or None,
     )
 
 

@@ -1,12 +1,14 @@
 """Which CPU strategy runs the fused-MoE experts, chosen per machine by measurement.
 
-The fastest way to run MoE experts on a CPU depends on the CPU: with AMX or AVX512-BF16, oneDNN's weight-major
-bf16 GEMM streams at bandwidth and layerswap's per-expert path wins; on an AVX2-only CPU (AMD Zen 2/3, older
-Xeons) torch's bf16 GEMM is a scalar-speed loop and converting each expert's weights to fp32 in cache is
-2-4x faster from ~4 rows per expert on; fp32 is close to parity either way. So for each (dtype, token-count
-bucket, shape) the first no-grad CPU call runs a short calibration: each candidate strategy (`stock`, whose
-computation is stock transformers' `grouped_mm`, `layerswap`, and for bf16/fp16 `upcast`) on a slice of the
-real problem (the bucket's routing restricted to a few experts, rotating over the experts so their weights
+The fastest way to run MoE experts on a CPU depends on the CPU: on a Sapphire Rapids (AMX), oneDNN's
+weight-major bf16 GEMM streams at bandwidth; on an AMD EPYC with AVX512-BF16 the same call streams at 11 GB/s
+where `x @ W.T` reaches 15-18 for 1-8 rows; on an AVX2-only CPU (AMD Zen 2/3, older Xeons) torch's bf16 GEMM
+is a scalar-speed loop and converting each expert's weights to fp32 in cache is 2-4x faster from ~4 rows per
+expert on. So for each shape the first no-grad CPU call measures which engine (`torch_moe.EXPERT_OPS`) runs
+one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16/fp16 from how many rows
+`upcast` pays (`_crossover_plan`); then for each (dtype, token-count bucket, shape) a short calibration runs
+each candidate strategy (`stock`, whose computation is stock transformers' `grouped_mm`, `layerswap` with the
+measured engines, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few experts, rotating over the experts so their weights
 come from memory), taking turns call by call so that load from other processes hits every candidate alike.
 The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
@@ -14,7 +16,8 @@ count, and the strategy set's version.
 
 Environment variables:
 - LAYERSWAP_CPU_CALIBRATION=0: never measure; capability rules decide (`rule_plan`), no cache is read or written.
-- LAYERSWAP_CPU_STRATEGY=stock|layerswap|upcast[:min_rows]: force one strategy (tests, benchmarks, bug reports).
+- LAYERSWAP_CPU_STRATEGY=stock|layerswap[:engine]|upcast[:min_rows]: force one strategy (tests, benchmarks, bug
+  reports); `layerswap:row` runs every expert on one engine (grouped, mv, row or wm).
 - LAYERSWAP_CACHE_DIR: the cache directory (default $XDG_CACHE_HOME/layerswap, else ~/.cache/layerswap).
   Writes are atomic (a temporary file, then os.replace), merged with what other processes wrote meanwhile;
   where the directory cannot be written, decisions stay in memory for the process. A decision measured
@@ -40,13 +43,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import _cpu_strategies as strategies
+from . import torch_moe
 from ._cpu_strategies import STRATEGIES, Plan
 from .torch_moe import Activation, fused_moe_reference, resolve_activation
 
@@ -57,7 +61,7 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 ENV_CACHE_DIR = "LAYERSWAP_CACHE_DIR"
 
 # Bump when a strategy's implementation changes, so decisions measured on the old code are not reused.
-STRATEGY_SET_VERSION = 1
+STRATEGY_SET_VERSION = 2  # 2: per-row-count engines in `layerswap`
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -70,6 +74,7 @@ _DROP_FACTOR = (
     2.0  # after 3 rounds, candidates this much slower than the best (fastest call) stop being timed
 )
 _CROSSOVER_ROWS = (2, 4, 8)
+_ENGINE_ROWS = tuple(1 << c for c in range(torch_moe.ROW_CLASSES))  # one row count per class: 1, 2, 4, ... 64
 _BLOCK_CHOICES = (1 << 20, 8 << 20)
 _NEVER = 1 << 30  # min_rows that no expert reaches
 
@@ -214,6 +219,7 @@ def _plan_to_json(plan: Plan, timings_ms: dict[str, float] | None) -> dict[str, 
         "strategy": plan.strategy,
         "min_rows": plan.min_rows,
         "block_bytes": plan.block_bytes,
+        "ops": list(plan.ops),
     }
     if timings_ms:
         entry["median_ms"] = {name: round(ms, 4) for name, ms in timings_ms.items()}
@@ -222,8 +228,11 @@ def _plan_to_json(plan: Plan, timings_ms: dict[str, float] | None) -> dict[str, 
 
 def _plan_from_json(entry: Any) -> Plan | None:
     try:
-        return Plan(entry["strategy"], int(entry["min_rows"]), int(entry["block_bytes"]), source="cached")
-    except (KeyError, TypeError, ValueError):
+        ops = tuple(entry.get("ops", ()))
+        return Plan(
+            entry["strategy"], int(entry["min_rows"]), int(entry["block_bytes"]), ops, source="cached"
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry from another version or a damaged file: measured again
 
 
@@ -323,18 +332,24 @@ def rule_plan(dtype: torch.dtype, info: CpuInfo | None = None) -> Plan:
 
 
 def forced_plan() -> Plan | None:
-    """The plan LAYERSWAP_CPU_STRATEGY names, if set: "stock", "layerswap", "upcast" or "upcast:<min_rows>"."""
+    """The plan LAYERSWAP_CPU_STRATEGY names, if set: "stock", "layerswap", "layerswap:<engine>", "upcast" or
+    "upcast:<min_rows>"."""
     text = os.environ.get(ENV_STRATEGY, "").strip()
     if not text:
         return None
-    name, _, rows = text.partition(":")
+    name, _, detail = text.partition(":")
     try:
-        if rows:
-            return Plan(name, min_rows=int(rows), source="forced")
+        if detail and name == "layerswap":
+            return Plan(name, ops=(detail,) * torch_moe.ROW_CLASSES, source="forced")
+        if detail and name == "upcast":
+            return Plan(name, min_rows=int(detail), source="forced")
+        if detail:
+            raise ValueError(f"{name!r} takes no ':' parameter")
         return Plan(name, source="forced")
     except ValueError as error:
         raise ValueError(
-            f"{ENV_STRATEGY}={text!r}: {error}; expected one of {sorted(STRATEGIES)}, optionally 'upcast:<rows>'"
+            f"{ENV_STRATEGY}={text!r}: {error}; expected one of {sorted(STRATEGIES)}, optionally "
+            f"'layerswap:<engine>' (an engine of {torch_moe.EXPERT_OPS}) or 'upcast:<rows>'"
         ) from None
 
 
@@ -463,6 +478,51 @@ def _crossover_plan(
     return Plan("upcast", min_rows=min_rows, block_bytes=block, source="calibrated"), medians
 
 
+def _engines_plan(
+    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[Plan, dict[str, float]]:
+    """For `layerswap`: the engine that runs one expert's MLP fastest at each row-count class, timed on single
+    experts of this layer (a different expert per call, so that its weights come from memory). The grouped GEMM
+    (stock's) is kept unless another engine beats it by the margin: on a tie it saves Python dispatches."""
+    num_experts, _, hidden = gate_up_proj.shape
+    dtype = gate_up_proj.dtype
+    generator = torch.Generator().manual_seed(0)
+    grouped = torch_moe._CPU_GROUPED_MM
+    ops = tuple(op for op in torch_moe.EXPERT_OPS if grouped or op != "grouped")
+
+    def engine(op: str, rows: torch.Tensor, stride: int) -> Callable[[int], object]:
+        out = torch.empty_like(rows)
+        offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
+
+        def call(i: int) -> object:
+            e = (i * stride) % num_experts
+            if op != "grouped":
+                return torch_moe._expert_mlp(rows, gate_up_proj[e], down_proj[e], act, out=out, op=op)
+            gate_up = strategies._grouped_or_loop(rows, gate_up_proj[e : e + 1].transpose(1, 2), offsets)
+            hidden_rows = act(gate_up[:, : down_proj.shape[2]]) * gate_up[:, down_proj.shape[2] :]
+            return strategies._grouped_or_loop(hidden_rows, down_proj[e : e + 1].transpose(1, 2), offsets)
+
+        return call
+
+    chosen, medians = [], {}
+    with torch.no_grad():
+        for row_class, m in enumerate(_ENGINE_ROWS):
+            rows = _random_rows(generator, m, hidden, dtype)
+            candidates = [op for op in ops if op != "mv" or m == 1]
+            calls = {
+                f"{op}@{m}": engine(op, rows, stride=1 + 2 * index + row_class)
+                for index, op in enumerate(candidates)
+            }
+            times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
+            timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}
+            medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
+            best = min(timed, key=timed.__getitem__)
+            if "grouped" in timed and timed[best] > _MARGIN * timed["grouped"]:
+                best = "grouped"
+            chosen.append(best)
+    return Plan("layerswap", ops=tuple(chosen), source="calibrated"), medians
+
+
 def _calibration_problem(
     generator: torch.Generator,
     bucket: int,
@@ -547,7 +607,7 @@ def _calibrate_bucket(
     if best_ratio > _MARGIN:
         best = "stock"
     chosen = by_name[best]
-    return Plan(chosen.strategy, chosen.min_rows, chosen.block_bytes, source="calibrated"), medians
+    return replace(chosen, source="calibrated"), medians
 
 
 def _shape_key(dtype: torch.dtype, num_experts: int, top_k: int, hidden: int, intermediate: int) -> str:
@@ -607,7 +667,12 @@ def _plan_for(
         if not _can_measure(hidden_states, gate_up_proj, down_proj, top_k_index):
             return rule_plan(dtype)
         act = resolve_activation(activation)
-        candidates = [Plan("stock"), Plan("layerswap")]
+        engines_key = f"{shape_key}|engines"
+        engines = cache.get(engines_key)
+        if engines is None:
+            engines, engines_ms = _engines_plan(gate_up_proj, down_proj, act)
+            cache.put(engines_key, engines, engines_ms, persist=not _machine_busy())
+        candidates = [Plan("stock"), engines]
         if dtype in _REDUCED:
             crossover_key = f"{shape_key}|crossover"
             crossover = cache.get(crossover_key)

@@ -17,6 +17,15 @@ skinny GEMM streams its weight depends on its shape, not just its size. Measured
   and the few tokens the narrow N side, 17-20 GB/s fp32 (oneDNN) and 22-29 GB/s bf16, 1.3-1.9x per expert.
 Routing is sorted once, each active expert works on one contiguous slice of the gathered rows and writes
 its slice of one output buffer, and the weighted results are scattered back in fp32.
+
+Those defaults were measured on one CPU; another one orders the engines differently (on a 2-core AMD EPYC with
+AVX512-BF16, bf16 `x @ W.T` streams at 15-18 GB/s for 1-8 rows where the weight-major GEMM and `torch.mv` stay
+at 11-12). So a caller may pass `ops`, one engine per row-count class (`row_class`), which the CPU dispatch
+measures per machine (`cpu_dispatch`):
+- "grouped": the expert joins one call of torch's grouped GEMM with every other expert of its op;
+- "mv": a GEMV per projection (one row only; more rows fall back to "row");
+- "row": `x @ W.T`;
+- "wm": weight-major `(W @ x.T).T` (oneDNN for large fp32 weights).
 """
 
 from __future__ import annotations
@@ -53,6 +62,34 @@ _HAS_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
 _MKLDNN_MIN_WEIGHT_NUMEL = 1 << 20
 
 
+# The engines an expert's MLP can run on (see the module docstring), and the row-count classes an `ops` tuple
+# gives one engine each: class c holds 2**c to 2**(c+1) - 1 rows, the last class every count above.
+EXPERT_OPS = ("grouped", "mv", "row", "wm")
+ROW_CLASSES = 7  # 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+
+
+
+def row_class(rows: int) -> int:
+    """The row-count class of an expert with `rows` (>= 1) rows: its index into an `ops` tuple."""
+    return min(rows.bit_length() - 1, ROW_CLASSES - 1)
+
+
+def default_ops(dtype: torch.dtype) -> tuple[str, ...]:
+    """The engines used when no measurement says otherwise (the choices measured on AVX-512/AMX CPUs)."""
+    small = [row_class(rows) for rows in range(1, _FP32_WEIGHT_MAJOR_MIN_ROWS)]
+    if dtype == torch.float32:
+        if _CPU_GROUPED_MM:
+            return tuple("grouped" if c in small else "wm" for c in range(ROW_CLASSES))
+        return tuple("mv" if c == 0 else "row" if c in small else "wm" for c in range(ROW_CLASSES))
+    return ("mv",) + ("wm",) * (ROW_CLASSES - 1)
+
+
+def check_ops(ops: tuple[str, ...]) -> None:
+    if len(ops) != ROW_CLASSES or not set(ops) <= set(EXPERT_OPS):
+        raise ValueError(
+            f"ops must give one of {EXPERT_OPS} for each of the {ROW_CLASSES} row-count classes, got {ops!r}"
+        )
+
+
 def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch.Tensor]:
     """The elementwise function for an activation name (an ACT2FN key) or a callable, which is returned as is."""
     if callable(activation):
@@ -63,13 +100,6 @@ def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch
         raise ValueError(
             f"unknown activation {activation!r}: expected one of {sorted(ACTIVATIONS)} or a callable"
         ) from None
-
-
-def _use_weight_major(rows: int, dtype: torch.dtype) -> bool:
-    if dtype == torch.float32:
-        return rows >= _FP32_WEIGHT_MAJOR_MIN_ROWS
-    # Reduced precision goes through oneDNN, whose weight-major kernel wins at every row count we measured.
-    return True
 
 
 def _weight_major_mm(weight: torch.Tensor, inputs: torch.Tensor, differentiable: bool) -> torch.Tensor:
@@ -94,21 +124,27 @@ def _expert_mlp(
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     out: torch.Tensor | None = None,
+    op: str | None = None,
 ) -> torch.Tensor:
-    """down(act(gate(rows)) * up(rows)) for one expert's contiguous slice of rows: [m, H] -> [m, H].
-    Writes into `out` when given (saves a copy; `out=` variants have no backward, so only without autograd)."""
+    """down(act(gate(rows)) * up(rows)) for one expert's contiguous slice of rows: [m, H] -> [m, H], on engine
+    `op` ("mv", "row" or "wm"; None: the default for this row count and dtype). Writes into `out` when given
+    (saves a copy; `out=` variants have no backward, so only without autograd)."""
     intermediate = down.shape[1]
     differentiable = out is None
-    if rows.shape[0] == 1:
-        # One row: a plain GEMV. For bf16 it streams ~20% faster than either GEMM orientation (oneDNN treats a
-        # 1-column GEMM as a GEMM); for fp32 it ties with MKL's x @ W.T.
+    if op is None:
+        op = default_ops(rows.dtype)[row_class(rows.shape[0])]
+        if op == "grouped":  # alone, the grouped GEMM's one expert is a GEMV or an x @ W.T
+            op = "mv" if rows.shape[0] == 1 else "row"
+    if op == "mv" and rows.shape[0] == 1:
+        # One row: a plain GEMV (on AVX-512/AMX CPUs ~20% faster for bf16 than either GEMM orientation, where
+        # oneDNN treats a 1-column GEMM as a GEMM; for fp32 it ties with MKL's x @ W.T).
         gate_up_v = torch.mv(gate_up, rows[0])
         hidden_v = act(gate_up_v[:intermediate]) * gate_up_v[intermediate:]
         if out is None:
             return torch.mv(down, hidden_v)[None]
         torch.mv(down, hidden_v, out=out[0])
         return out
-    if _use_weight_major(rows.shape[0], rows.dtype):
+    if op == "wm":
         # Kept transposed from end to end: [2I, m] -> act -> [I, m] is already the down GEMM's right operand,
         # so the only transposed copy is of the result (on 2-core CPUs a skinny transpose copies at ~3 GB/s).
         gate_up_t = _weight_major_mm(gate_up, rows, differentiable)
@@ -129,9 +165,9 @@ def _gemv_experts_grouped(
     experts: list[int],
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The MLP of `experts` (each with 1-3 fp32 rows) through torch's grouped GEMM, the C++ loop that stock
-    grouped_mm runs. In this regime MKL's x @ W.T is already at bandwidth, so no other shape is faster and the
-    only cost left is one Python dispatch per expert, 2-8% of the layer at T=16 with 80 active experts.
+    """The MLP of `experts` through torch's grouped GEMM, the C++ loop that stock grouped_mm runs: where
+    `x @ W.T` is already the fastest engine (fp32 with 1-3 rows on MKL), it saves one Python dispatch per
+    expert, 2-8% of the layer at T=16 with 80 active experts.
     `out=None`: `experts` are all the active experts, so no rows need gathering; returns the [S, H] result."""
     num_experts = gate_up_proj.shape[0]
     intermediate = down_proj.shape[2]
@@ -160,9 +196,10 @@ def _all_experts(
     act: Callable[[torch.Tensor], torch.Tensor],
     sizes: list[int],
     differentiable: bool,
+    ops: tuple[str, ...],
 ) -> torch.Tensor:
     """Every pair's expert output, [S, H], for rows sorted by expert (`sizes[e]` rows for expert e, then a
-    tail of sentinel pairs, which get zeros)."""
+    tail of sentinel pairs, which get zeros); each expert on the engine `ops` gives its row count."""
     num_experts = gate_up_proj.shape[0]
     active = [e for e in range(num_experts) if sizes[e]]
     slices = sorted_rows.split(sizes)  # one dispatch for every expert's slice
@@ -170,17 +207,19 @@ def _all_experts(
         pieces = [_expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act) for e in active]
         return torch.cat([*pieces, sorted_rows.new_zeros(sizes[-1], sorted_rows.shape[1])])
 
-    gemv_regime = []
-    if _CPU_GROUPED_MM and sorted_rows.dtype == torch.float32 and sorted_rows.device.type == "cpu":
-        gemv_regime = [e for e in active if sizes[e] < _FP32_WEIGHT_MAJOR_MIN_ROWS]
-    if gemv_regime and len(gemv_regime) == len(active):  # decode and small batches
+    op_of = {e: ops[row_class(sizes[e])] for e in active}
+    grouped = []
+    if _CPU_GROUPED_MM and sorted_rows.device.type == "cpu":
+        grouped = [e for e in active if op_of[e] == "grouped"]
+    if grouped and len(grouped) == len(active):  # decode and small batches
         return _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, active, None)
     expert_out = torch.empty_like(sorted_rows)
-    if gemv_regime:
-        _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, gemv_regime, expert_out)
+    if grouped:
+        _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, grouped, expert_out)
     out_slices = expert_out.split(sizes)
-    for e in sorted(set(active) - set(gemv_regime)):
-        _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e])
+    for e in sorted(set(active) - set(grouped)):
+        op = "row" if op_of[e] == "grouped" else op_of[e]  # no grouped GEMM in this torch
+        _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)
     if sizes[-1]:
         out_slices[-1].zero_()
     return expert_out
@@ -194,6 +233,7 @@ def fused_moe_reference(
     top_k_weights: torch.Tensor,
     *,
     activation: Activation = "silu",
+    ops: tuple[str, ...] | None = None,
 ) -> torch.Tensor:
     """MoE experts forward in plain PyTorch.
 
@@ -204,11 +244,17 @@ def fused_moe_reference(
         top_k_index: `[T, K]` integer expert ids. Ids >= E (expert-parallel sentinels) contribute nothing.
         top_k_weights: `[T, K]` routing weights, multiplied in fp32.
         activation: an ACT2FN name ("silu", "gelu", "gelu_pytorch_tanh", "relu") or an elementwise callable.
+        ops: the engine per row-count class (`EXPERT_OPS`, `row_class`) when no gradient is needed; None: the
+            defaults (`default_ops`). A gradient-tracking call uses the default engines.
 
     Returns:
         `[T, H]` in `hidden_states.dtype`. Differentiable when autograd needs it.
     """
     act = resolve_activation(activation)
+    if ops is None:
+        ops = default_ops(gate_up_proj.dtype)
+    else:
+        check_ops(ops)
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_up_proj.shape[0]
     top_k = top_k_index.shape[-1]
@@ -226,7 +272,7 @@ def fused_moe_reference(
 
     sizes = rows_per_expert[:num_experts]
     sizes.append(expert_ids.numel() - sum(sizes))  # sentinel ids (>= E) sort last
-    expert_out = _all_experts(sorted_rows, gate_up_proj, down_proj, act, sizes, differentiable)
+    expert_out = _all_experts(sorted_rows, gate_up_proj, down_proj, act, sizes, differentiable, ops)
 
     pair_weights = top_k_weights.reshape(-1)[order].to(torch.float32)
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)

@@ -28,6 +28,11 @@ PLANS = {
     # Each engine for every row count, and a mix (calibrated plans mix them: T=40 gives classes 2-4).
     **{f"layerswap_{op}": Plan("layerswap", ops=(op,) * ROW_CLASSES) for op in EXPERT_OPS},
     "layerswap_mixed": Plan("layerswap", ops=("mv", "grouped", "row", "wm", "grouped", "row", "wm")),
+    # The same on two single-threaded worker threads, each taking whole experts.
+    "layerswap_mixed_workers": Plan(
+        "layerswap", ops=("mv", "grouped", "row", "wm", "grouped", "row", "wm"), workers=2
+    ),
+    "layerswap_grouped_workers": Plan("layerswap", ops=("grouped",) * ROW_CLASSES, workers=3),
     "upcast": Plan("upcast"),  # default min_rows: the T below mix converted and direct experts
     "upcast_all_converted": Plan("upcast", min_rows=1),  # one-row experts converted too
     "upcast_none_converted": Plan("upcast", min_rows=10**6),  # every expert through torch's own GEMM
@@ -164,7 +169,9 @@ def test_forced_strategy_through_fused_moe(monkeypatch: pytest.MonkeyPatch, name
     assert cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3]).source == "forced"
 
 
-@pytest.mark.parametrize("text", ["magic", "layerswap:fastest", "stock:2", "upcast:many"])
+@pytest.mark.parametrize(
+    "text", ["magic", "layerswap:fastest", "layerswap:row:0", "layerswap:row:many", "stock:2", "upcast:many"]
+)
 def test_an_unknown_forced_strategy_is_refused(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
     monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, text)
     problem = make_problem(3)
@@ -247,6 +254,24 @@ def test_engine_ties_keep_the_grouped_gemm(calibrating, monkeypatch) -> None:
     _, gate_up, down, _, _ = make_problem(1)
     plan, _ = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert plan.ops == ("grouped",) * ROW_CLASSES
+
+
+# With several intra-op threads, the calibration also times whole experts on single-threaded workers, whose
+# engines are measured on a worker; the caller's thread count is left as it was.
+def test_calibration_times_worker_threads_when_there_are_threads(calibrating, monkeypatch) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        problem = make_problem(40, dtype=torch.bfloat16)
+        plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    plans = json.loads(cpu_dispatch.cache_path().read_text())["plans"]
+    prefix = f"bfloat16|E8|K2|H{HIDDEN}|I{INTERMEDIATE}|threads2"
+    assert plans[f"{prefix}|engines-workers2"]["workers"] == 2
+    assert {"stock", "layerswap", "layerswapx2"} <= set(plans[f"{prefix}|T64"]["median_ms"])
+    assert plan.label in plans[f"{prefix}|T64"]["median_ms"]
 
 
 # A real calibration, end to end: the first no-grad call measures and caches, later calls only look up; bf16

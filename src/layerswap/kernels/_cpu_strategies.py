@@ -42,6 +42,7 @@ class Plan:
     min_rows: `upcast` converts an expert's weights to fp32 from this many rows on (fewer: torch's own GEMM).
     block_bytes: `upcast` converts weights in row blocks of at most this many fp32 bytes.
     ops: `layerswap` runs an expert with r rows on engine `ops[torch_moe.row_class(r)]`; () for the defaults.
+    workers: `layerswap` splits the experts over this many single-threaded worker threads (1: none).
     source: how the plan was chosen ("calibrated", "rule", "forced", "cached"), for reports and benchmarks.
     """
 
@@ -49,6 +50,7 @@ class Plan:
     min_rows: int = DEFAULT_MIN_ROWS
     block_bytes: int = DEFAULT_BLOCK_BYTES
     ops: tuple[str, ...] = ()
+    workers: int = 1
     source: str = field(default="rule", compare=False)
 
     def __post_init__(self) -> None:
@@ -60,12 +62,20 @@ class Plan:
             raise ValueError(f"Plan.block_bytes must be >= 4096, got {self.block_bytes}")
         if self.ops:
             torch_moe.check_ops(self.ops)
+        if self.workers < 1:
+            raise ValueError(f"Plan.workers must be >= 1, got {self.workers}")
+
+    @property
+    def label(self) -> str:
+        """The candidate's name in a calibration: the strategy, with its worker count where it has workers."""
+        return self.strategy if self.workers == 1 else f"{self.strategy}x{self.workers}"
 
     def describe(self) -> str:
         if self.strategy == "upcast":
             return f"upcast(min_rows={self.min_rows}, block={self.block_bytes >> 10} KiB)"
-        if self.strategy == "layerswap" and self.ops:
-            return f"layerswap({describe_ops(self.ops)})"
+        if self.strategy == "layerswap" and (self.ops or self.workers > 1):
+            workers = f"; {self.workers} workers" if self.workers > 1 else ""
+            return f"layerswap({describe_ops(self.ops) if self.ops else 'default engines'}{workers})"
         return self.strategy
 
 

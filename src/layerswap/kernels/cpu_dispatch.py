@@ -16,8 +16,9 @@ count, and the strategy set's version.
 
 Environment variables:
 - LAYERSWAP_CPU_CALIBRATION=0: never measure; capability rules decide (`rule_plan`), no cache is read or written.
-- LAYERSWAP_CPU_STRATEGY=stock|layerswap[:engine]|upcast[:min_rows]: force one strategy (tests, benchmarks, bug
-  reports); `layerswap:row` runs every expert on one engine (grouped, mv, row or wm).
+- LAYERSWAP_CPU_STRATEGY=stock|layerswap[:engine[:workers]]|upcast[:min_rows]: force one strategy (tests,
+  benchmarks, bug reports); `layerswap:row` runs every expert on one engine (grouped, mv, row or wm),
+  `layerswap:row:2` on two single-threaded worker threads (`_workers`).
 - LAYERSWAP_CACHE_DIR: the cache directory (default $XDG_CACHE_HOME/layerswap, else ~/.cache/layerswap).
   Writes are atomic (a temporary file, then os.replace), merged with what other processes wrote meanwhile;
   where the directory cannot be written, decisions stay in memory for the process. A decision measured
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 
 from . import _cpu_strategies as strategies
-from . import torch_moe
+from . import _workers, torch_moe
 from ._cpu_strategies import STRATEGIES, Plan
 from .torch_moe import Activation, fused_moe_reference, resolve_activation
 
@@ -220,6 +221,7 @@ def _plan_to_json(plan: Plan, timings_ms: dict[str, float] | None) -> dict[str, 
         "min_rows": plan.min_rows,
         "block_bytes": plan.block_bytes,
         "ops": list(plan.ops),
+        "workers": plan.workers,
     }
     if timings_ms:
         entry["median_ms"] = {name: round(ms, 4) for name, ms in timings_ms.items()}
@@ -340,7 +342,9 @@ def forced_plan() -> Plan | None:
     name, _, detail = text.partition(":")
     try:
         if detail and name == "layerswap":
-            return Plan(name, ops=(detail,) * torch_moe.ROW_CLASSES, source="forced")
+            engine, _, workers = detail.partition(":")
+            ops = (engine,) * torch_moe.ROW_CLASSES
+            return Plan(name, ops=ops, workers=int(workers) if workers else 1, source="forced")
         if detail and name == "upcast":
             return Plan(name, min_rows=int(detail), source="forced")
         if detail:
@@ -349,7 +353,7 @@ def forced_plan() -> Plan | None:
     except ValueError as error:
         raise ValueError(
             f"{ENV_STRATEGY}={text!r}: {error}; expected one of {sorted(STRATEGIES)}, optionally "
-            f"'layerswap:<engine>' (an engine of {torch_moe.EXPERT_OPS}) or 'upcast:<rows>'"
+            f"'layerswap:<engine>[:<workers>]' (an engine of {torch_moe.EXPERT_OPS}) or 'upcast:<rows>'"
         ) from None
 
 
@@ -523,6 +527,29 @@ def _engines_plan(
     return Plan("layerswap", ops=tuple(chosen), source="calibrated"), medians
 
 
+def _engines(
+    cache: PlanCache,
+    shape_key: str,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    workers: int,
+) -> Plan:
+    """The cached or newly measured engines of `layerswap` with `workers` worker threads (1: in this thread),
+    measured where they will run: on a single-threaded worker for workers > 1."""
+    key = f"{shape_key}|engines" if workers == 1 else f"{shape_key}|engines-workers{workers}"
+    plan = cache.get(key)
+    if plan is None:
+        if workers == 1:
+            plan, medians = _engines_plan(gate_up_proj, down_proj, act)
+        else:
+            measured = _workers.pool(workers).submit(_engines_plan, gate_up_proj, down_proj, act)
+            plan, medians = measured.result()
+            plan = replace(plan, workers=workers)
+        cache.put(key, plan, medians, persist=not _machine_busy())
+    return plan
+
+
 def _calibration_problem(
     generator: torch.Generator,
     bucket: int,
@@ -579,7 +606,7 @@ def _calibrate_bucket(
         )
         for i in range(_MAX_ROUNDS + 1)
     ]
-    by_name = {plan.strategy: plan for plan in candidates}
+    by_name = {plan.label: plan for plan in candidates}
 
     def call(plan: Plan) -> Callable[[int], object]:
         run = STRATEGIES[plan.strategy]
@@ -667,12 +694,10 @@ def _plan_for(
         if not _can_measure(hidden_states, gate_up_proj, down_proj, top_k_index):
             return rule_plan(dtype)
         act = resolve_activation(activation)
-        engines_key = f"{shape_key}|engines"
-        engines = cache.get(engines_key)
-        if engines is None:
-            engines, engines_ms = _engines_plan(gate_up_proj, down_proj, act)
-            cache.put(engines_key, engines, engines_ms, persist=not _machine_busy())
-        candidates = [Plan("stock"), engines]
+        candidates = [Plan("stock"), _engines(cache, shape_key, gate_up_proj, down_proj, act, workers=1)]
+        threads = torch.get_num_threads()
+        if threads > 1:  # whole experts per core, one thread each, instead of every GEMM split over the cores
+            candidates.append(_engines(cache, shape_key, gate_up_proj, down_proj, act, workers=threads))
         if dtype in _REDUCED:
             crossover_key = f"{shape_key}|crossover"
             crossover = cache.get(crossover_key)

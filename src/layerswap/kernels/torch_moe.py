@@ -37,6 +37,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from . import _workers
+
 Activation = str | Callable[[torch.Tensor], torch.Tensor]
 
 # Names follow transformers' ACT2FN keys, so an experts module's activation maps onto them one to one.
@@ -176,7 +178,7 @@ def _gemv_experts_grouped(
     else:
         chosen = set(experts)
         starts = list(accumulate(sizes, initial=0))
-        index = torch.tensor([r for e in experts for r in range(starts[e], starts[e + 1])])
+        index = torch.tensor([r for e in sorted(chosen) for r in range(starts[e], starts[e + 1])])
         rows, group_sizes = sorted_rows[index], [sizes[e] if e in chosen else 0 for e in range(num_experts)]
     offsets = torch.tensor(list(accumulate(group_sizes)), dtype=torch.int32)
     gate_up = _GROUPED_MM(rows, gate_up_proj.transpose(1, 2), offs=offsets)  # views, as stock passes them
@@ -197,9 +199,11 @@ def _all_experts(
     sizes: list[int],
     differentiable: bool,
     ops: tuple[str, ...],
+    workers: int = 1,
 ) -> torch.Tensor:
     """Every pair's expert output, [S, H], for rows sorted by expert (`sizes[e]` rows for expert e, then a
-    tail of sentinel pairs, which get zeros); each expert on the engine `ops` gives its row count."""
+    tail of sentinel pairs, which get zeros); each expert on the engine `ops` gives its row count, and with
+    `workers` > 1 the experts split over that many single-threaded worker threads."""
     num_experts = gate_up_proj.shape[0]
     active = [e for e in range(num_experts) if sizes[e]]
     slices = sorted_rows.split(sizes)  # one dispatch for every expert's slice
@@ -208,18 +212,27 @@ def _all_experts(
         return torch.cat([*pieces, sorted_rows.new_zeros(sizes[-1], sorted_rows.shape[1])])
 
     op_of = {e: ops[row_class(sizes[e])] for e in active}
-    grouped = []
-    if _CPU_GROUPED_MM and sorted_rows.device.type == "cpu":
-        grouped = [e for e in active if op_of[e] == "grouped"]
-    if grouped and len(grouped) == len(active):  # decode and small batches
+    can_group = _CPU_GROUPED_MM and sorted_rows.device.type == "cpu"
+    if workers == 1 and can_group and all(op == "grouped" for op in op_of.values()):  # decode, small batches
         return _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, active, None)
     expert_out = torch.empty_like(sorted_rows)
-    if grouped:
-        _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, grouped, expert_out)
     out_slices = expert_out.split(sizes)
-    for e in sorted(set(active) - set(grouped)):
-        op = "row" if op_of[e] == "grouped" else op_of[e]  # no grouped GEMM in this torch
-        _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)
+
+    def run(experts: list[int]) -> None:
+        grouped = [e for e in experts if op_of[e] == "grouped"] if can_group else []
+        if grouped:
+            _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, grouped, expert_out)
+        for e in experts:
+            if e not in grouped:
+                op = "row" if op_of[e] == "grouped" else op_of[e]  # no grouped GEMM in this torch
+                _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)
+
+    if workers > 1:
+        # An expert's cost: streaming its weights, plus its rows' FLOPs (which dominate from ~16 rows on).
+        costs = [1.0 + sizes[e] / 16 for e in active]
+        _workers.run_split(run, _workers.balanced_groups(active, costs, workers), workers)
+    else:
+        run(active)
     if sizes[-1]:
         out_slices[-1].zero_()
     return expert_out
@@ -234,6 +247,7 @@ def fused_moe_reference(
     *,
     activation: Activation = "silu",
     ops: tuple[str, ...] | None = None,
+    workers: int = 1,
 ) -> torch.Tensor:
     """MoE experts forward in plain PyTorch.
 
@@ -246,6 +260,8 @@ def fused_moe_reference(
         activation: an ACT2FN name ("silu", "gelu", "gelu_pytorch_tanh", "relu") or an elementwise callable.
         ops: the engine per row-count class (`EXPERT_OPS`, `row_class`) when no gradient is needed; None: the
             defaults (`default_ops`). A gradient-tracking call uses the default engines.
+        workers: with no gradient needed, run the experts on this many single-threaded worker threads
+            (`_workers`), each taking whole experts; 1: in the calling thread.
 
     Returns:
         `[T, H]` in `hidden_states.dtype`. Differentiable when autograd needs it.
@@ -255,6 +271,8 @@ def fused_moe_reference(
         ops = default_ops(gate_up_proj.dtype)
     else:
         check_ops(ops)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_up_proj.shape[0]
     top_k = top_k_index.shape[-1]
@@ -272,7 +290,7 @@ def fused_moe_reference(
 
     sizes = rows_per_expert[:num_experts]
     sizes.append(expert_ids.numel() - sum(sizes))  # sentinel ids (>= E) sort last
-    expert_out = _all_experts(sorted_rows, gate_up_proj, down_proj, act, sizes, differentiable, ops)
+    expert_out = _all_experts(sorted_rows, gate_up_proj, down_proj, act, sizes, differentiable, ops, workers)
 
     pair_weights = top_k_weights.reshape(-1)[order].to(torch.float32)
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)

@@ -46,3 +46,22 @@ def test_balanced_groups_split_the_cost_evenly() -> None:
     assert sorted(item for group in groups for item in group) == [0, 1, 2, 3, 4]
     assert sorted(sum([5.0, 1.0, 1.0, 2.0, 1.0][i] for i in group) for group in groups) == [5.0, 5.0]
     assert _workers.balanced_groups([7], [1.0], groups=4) == [[7]]  # no empty groups
+
+
+# A model's weights require grad; under no_grad or inference_mode (per thread) the workers must run as the caller.
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_workers_run_under_the_callers_grad_mode(mode: str) -> None:
+    from layerswap.kernels import fused_moe_reference
+
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.nn.Parameter(torch.randn(8, 32, 16, generator=generator))
+    down = torch.nn.Parameter(torch.randn(8, 16, 16, generator=generator))
+    x = torch.randn(20, 16, generator=generator)
+    index = torch.rand(20, 8, generator=generator).topk(2, dim=-1).indices
+    weights = torch.rand(20, 2, generator=generator)
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with context:
+        want = fused_moe_reference(x, gate_up, down, index, weights, ops=("row",) * 7)
+        got = fused_moe_reference(x, gate_up, down, index, weights, ops=("row",) * 7, workers=2)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -64,7 +64,15 @@ def balanced_groups(items: Sequence[int], costs: Sequence[float], groups: int) -
 
 
 def run_split(work: Callable[[list[int]], _T], groups: list[list[int]], workers: int) -> list[_T]:
-    """`work(group)` for every group, on the worker threads; the first error is raised here."""
+    """`work(group)` for every group, on the worker threads, under the caller's grad and inference modes (both
+    are per thread: a worker would otherwise record autograd graphs, or refuse to write the caller's inference
+    tensors); the first error is raised here."""
     if len(groups) <= 1:
         return [work(group) for group in groups]
-    return list(pool(workers).map(work, groups))
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def in_callers_modes(group: list[int]) -> _T:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return work(group)
+
+    return list(pool(workers).map(in_callers_modes, groups))

@@ -65,9 +65,12 @@ def test_forward_matches_stock(family: str, num_tokens: int) -> None:
 
 # Each CPU strategy the dispatch can pick (forced, so none goes untested on a CPU that would not pick it),
 # through the experts backend, in bf16 against stock grouped_mm: T=2 (one row per expert, the direct side of
-# upcast), T=64 (16 rows per expert, converted to fp32).
+# upcast), T=64 (16 rows per expert, converted to fp32); layerswap on one engine, and on two worker threads
+# (the model's weights require grad: the workers must run under the caller's no_grad).
 @pytest.mark.parametrize("num_tokens", [2, 64])
-@pytest.mark.parametrize("strategy", ["stock", "layerswap", "upcast"])
+@pytest.mark.parametrize(
+    "strategy", ["stock", "layerswap", "layerswap:row", "layerswap:wm", "layerswap:row:2", "upcast"]
+)
 def test_every_cpu_strategy_matches_stock_bf16(
     monkeypatch: pytest.MonkeyPatch, strategy: str, num_tokens: int
 ) -> None:
@@ -83,6 +86,24 @@ def test_every_cpu_strategy_matches_stock_bf16(
         got = fused_experts_forward(experts, x, index, weights.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
+# The worker threads in a whole model under inference_mode (per thread, like no_grad): stock's logits.
+def test_whole_model_on_worker_threads_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAYERSWAP_CPU_STRATEGY", "layerswap:row:2")
+    model = tiny_model("qwen2_moe")
+    scale_experts(model)
+    input_ids = tiny_input_ids()
+    register_experts_backend()
+    try:
+        with torch.inference_mode():
+            model.set_experts_implementation("eager")
+            expected = model(input_ids).logits
+            model.set_experts_implementation("layerswap")
+            got = model(input_ids).logits
+    finally:
+        unregister_experts_backend()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_whole_model_with_layerswap_backend_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -273,6 +273,10 @@ def test_calibration_times_worker_threads_when_there_are_threads(calibrating, mo
     assert {"stock", "layerswap", "layerswapx2"} <= set(plans[f"{prefix}|T64"]["median_ms"])
     assert plan.label in plans[f"{prefix}|T64"]["median_ms"]
 
+    cpu_dispatch.clear_memory_cache()  # a new process reads the workers back from the file
+    worker_engines = cpu_dispatch._cache().get(f"{prefix}|engines-workers2")
+    assert (worker_engines.workers, worker_engines.source) == (2, "cached")
+
 
 # A real calibration, end to end: the first no-grad call measures and caches, later calls only look up; bf16
 # also measures upcast's crossover (one entry per shape), and every entry lands in the file.

@@ -8,8 +8,10 @@ expert on. So for each shape the first no-grad CPU call measures which engine (`
 one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16/fp16 from how many rows
 `upcast` pays (`_crossover_plan`); then for each (dtype, token-count bucket, shape) a short calibration runs
 each candidate strategy (`stock`, whose computation is stock transformers' `grouped_mm`, `layerswap` with the
-measured engines, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few experts, rotating over the experts so their weights
-come from memory), taking turns call by call so that load from other processes hits every candidate alike.
+measured engines, in this thread and, with several intra-op threads, split over single-threaded worker
+threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few
+experts, rotating over the experts so their weights come from memory), taking turns call by call so that load
+from other processes hits every candidate alike.
 The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
 count, and the strategy set's version.
@@ -230,9 +232,14 @@ def _plan_to_json(plan: Plan, timings_ms: dict[str, float] | None) -> dict[str, 
 
 def _plan_from_json(entry: Any) -> Plan | None:
     try:
-        ops = tuple(entry.get("ops", ()))
+        ops, workers = tuple(entry.get("ops", ())), int(entry.get("workers", 1))
         return Plan(
-            entry["strategy"], int(entry["min_rows"]), int(entry["block_bytes"]), ops, source="cached"
+            entry["strategy"],
+            int(entry["min_rows"]),
+            int(entry["block_bytes"]),
+            ops,
+            workers,
+            source="cached",
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # an entry from another version or a damaged file: measured again
@@ -334,8 +341,8 @@ def rule_plan(dtype: torch.dtype, info: CpuInfo | None = None) -> Plan:
 
 
 def forced_plan() -> Plan | None:
-    """The plan LAYERSWAP_CPU_STRATEGY names, if set: "stock", "layerswap", "layerswap:<engine>", "upcast" or
-    "upcast:<min_rows>"."""
+    """The plan LAYERSWAP_CPU_STRATEGY names, if set: "stock", "layerswap", "layerswap:<engine>[:<workers>]",
+    "upcast" or "upcast:<min_rows>"."""
     text = os.environ.get(ENV_STRATEGY, "").strip()
     if not text:
         return None

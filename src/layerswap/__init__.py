@@ -7,6 +7,7 @@ layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_con
 from __future__ import annotations
 
 from ._hf import compat as _compat  # noqa: F401  (checks the installed transformers first)
+from ._hf import expert_parallel as _expert_parallel
 from ._hf import records as _records
 from .bundle import Bundle, BundleOptions
 from .calibration import calibrate_all_experts
@@ -17,6 +18,7 @@ from .errors import (
     BundleError,
     CheckpointNeedsBundleError,
     CheckpointShapeError,
+    ExpertParallelismError,
     ExpertsImplementationError,
     FusedQKVParallelismError,
     IncompatibleQuantizerError,
@@ -24,6 +26,7 @@ from .errors import (
     LayerswapWarning,
     MissingExpertWeightsError,
     RoutingMismatchError,
+    ShardedSaveError,
     UnknownBundleError,
     UnsupportedTransformersError,
     WeightConversionError,
@@ -45,6 +48,7 @@ from .swaps.fast import register_experts_backend, unregister_experts_backend
 __version__ = "0.1.0"
 
 _records.watch()  # save_pretrained records the bundles a checkpoint needs; loads without them raise
+_expert_parallel.watch()  # a save gathers the experts each rank holds under expert parallelism
 watch_peft()  # PEFT checks every local adapter it loads against the model (peft_adapters.unwatch_peft undoes it)
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "BundleOptions",
     "CheckpointNeedsBundleError",
     "CheckpointShapeError",
+    "ExpertParallelismError",
     "ExpertsImplementationError",
     "FusedQKVParallelismError",
     "IncompatibleQuantizerError",
@@ -64,6 +69,7 @@ __all__ = [
     "RecordedRouting",
     "Report",
     "RoutingMismatchError",
+    "ShardedSaveError",
     "UnknownBundleError",
     "UnsupportedTransformersError",
     "WeightConversionError",

@@ -85,9 +85,9 @@ def _joined(rank: int, port: int, worker: Callable[..., None], args: tuple) -> N
 class Load:
     """One sharded load: `model_type` from `checkpoint` under `bundles`, with `distributed` (from_pretrained's
     parallelism arguments); its logits for `input_ids` are saved as `<name>.pt` in the output folder, and with
-    `save`, the sharded model saves itself to `<name>-saved`; `<name>.json` says which classes were swapped in and
-    which parameters are sharded, with their local shapes. A load that raises saves the error's text as
-    `<name>.error` instead (rank 0's)."""
+    `save`, the sharded model saves itself to `<name>-saved`; `<name>.json` says which classes were swapped in,
+    which parameters are sharded, with their local shapes, and what each rank holds of the experts. A load that
+    raises saves the error's text as `<name>.error` instead (rank 0's)."""
 
     name: str
     model_type: str
@@ -115,9 +115,13 @@ def load_on_ranks(loads: list[Load], input_ids: torch.Tensor, output: str) -> No
             if rank == 0:
                 (folder / f"{load.name}.error").write_text(f"{type(error).__name__}: {error}")
             continue
+        held = [None] * WORLD_SIZE
+        torch.distributed.all_gather_object(held, _experts_held(model))
         if rank == 0:
             torch.save(logits, folder / f"{load.name}.pt")
-            (folder / f"{load.name}.json").write_text(json.dumps(_layout(model)))
+            (folder / f"{load.name}.json").write_text(
+                json.dumps({**_layout(model), "experts_per_rank": held})
+            )
         torch.distributed.barrier()
 
 
@@ -132,6 +136,26 @@ def _layout(model: torch.nn.Module) -> dict[str, Any]:
             name: list(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)
         },
     }
+
+
+def _experts_held(model: torch.nn.Module) -> dict[str, Any]:
+    """What this rank holds of the experts: the number of expert parameter elements in memory here (a DTensor's
+    local shard), and the indices of the per-expert modules with weights in the first layer (empty for stacked 3D
+    experts)."""
+    from torch.distributed.tensor import DTensor
+
+    elements = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for name, p in model.named_parameters()
+        if ".experts." in name
+    )
+    first_layer = "model.layers.0.mlp.experts."
+    indices = {
+        int(name[len(first_layer) :].split(".")[0])
+        for name, _ in model.named_parameters()
+        if name.startswith(first_layer) and name[len(first_layer) :].split(".")[0].isdigit()
+    }
+    return {"elements": elements, "first_layer_experts": sorted(indices)}
 
 
 def train_step_on_ranks(

@@ -168,8 +168,25 @@ INTERNALS: tuple[Internal, ...] = (
         "transformers.distributed.mixin",
         "DistributedMixin._resolve_parallel_plans",
         "5.23",
-        "wrapped: refuses tensor-parallel plans that would shard a fused qkv_proj",
+        "wrapped: refuses tensor-parallel plans that would shard a fused qkv_proj, and expert-parallel sizes the "
+        "swapped experts cannot take",
         needed_for="fused_qkv",
+        own=True,
+    ),
+    Internal(
+        "transformers.distributed.expert_parallel",
+        "EpDispatchExpertsParallel.install_forward",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: '-quant' experts keep only this rank's experts when the expert-parallel dispatch is installed",
+        fallback="'-quant' experts stay whole on every rank under expert parallelism",
+        own=True,
+    ),
+    Internal(
+        "transformers.distributed.mixin",
+        "DistributedMixin.gather_sharded_state_dict_for_save",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: a save gathers each '-quant' expert from the rank that holds it under expert parallelism",
+        fallback="'-quant' experts stay whole on every rank under expert parallelism",
         own=True,
     ),
     Internal(

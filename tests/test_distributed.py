@@ -1,8 +1,9 @@
 """Swapped modules on two CPU ranks (gloo): tensor parallelism (`tp_plan="auto"`) and expert parallelism
-(`DistributedConfig(tp_size=2, ep_size=2)`) against one process, and the sizes refused before loading.
+(`DistributedConfig(tp_size=2, ep_size=2)`) against one process, the sizes refused before loading, and saves that
+fail on one rank.
 
-One world of two spawned ranks runs every sharded load of this module (`_support.distributed`); the reference
-logits come from the same checkpoints loaded in this process, without a bundle.
+One world of two spawned ranks runs every sharded load of this module (`_support.distributed`), another every
+failing save; the reference logits come from the same checkpoints loaded in this process, without a bundle.
 docs/distributed.md lists what these tests cover.
 """
 
@@ -19,9 +20,11 @@ from _support.checkpoints import read_checkpoint
 from _support.distributed import (
     WORLD_SIZE,
     Load,
+    Save,
     distributed_available,
     load_on_ranks,
     run_on_ranks,
+    saves_on_ranks,
 )
 from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
 
@@ -231,3 +234,96 @@ def test_a_tensor_parallel_size_that_splits_a_head_is_refused(sharded):
     error = (sharded[0] / "refused-llama-fused_qkv.error").read_text()
     assert error.startswith("FusedQKVParallelismError: "), error
     assert "6 query, 3 key and 3 value heads of 16" in error and "over 2 ranks" in error
+
+
+# --- saves that fail on one rank ------------------------------------------------------------------------------
+
+# (name, model type, bundles, mode, failure, failing rank, the target holds a checkpoint already)
+FAILING_SAVES = [
+    ("ep-convert", "qwen3_moe", ("qwen3_moe-quant",), "ep", "convert", 0, False),
+    ("ep-write", "qwen3_moe", ("qwen3_moe-quant",), "ep", "write", 0, True),
+    ("ep-gather", "mixtral", ("mixtral-quant",), "ep", "gather", 1, False),
+    ("tp-convert", "qwen3_moe", ("qwen3_moe-quant",), "tp", "convert", 0, True),
+    ("tp-fused_qkv-write", "llama", ("llama-fused_qkv",), "tp", "write", 0, False),
+]
+# Each injected failure's message (see _support.distributed._failing) and error type.
+INJECTED = {
+    "convert": "RuntimeError: injected: a conversion failed",
+    "write": "OSError: injected: no space left on device",
+    "gather": "RuntimeError: injected: gathering failed",
+}
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    """The folder holding every save's target and each rank's error, the checkpoints, and a copy of each
+    target's content before the save."""
+    root = tmp_path_factory.mktemp("saves")
+    checkpoints = {t: root / f"{t}-checkpoint" for t in ("qwen3_moe", "mixtral", "llama")}
+    for model_type, path in checkpoints.items():
+        tiny_model(model_type).save_pretrained(path)
+    jobs, before = [], {}
+    for name, model_type, bundles, mode, failure, rank, existing in FAILING_SAVES:
+        target = root / name / "target"
+        if existing:  # a checkpoint saved earlier, sharded, with a file of the user's
+            tiny_model(model_type, seed=5).save_pretrained(target, max_shard_size="100KB")
+            (target / "README.md").write_text("mine")
+            before[name] = (sorted(p.name for p in target.iterdir()), read_checkpoint(target))
+        # Small shards: the "write" failure comes after a first file was written.
+        checkpoint = str(checkpoints[model_type])
+        jobs.append(
+            Save(name, model_type, checkpoint, bundles, MODES[mode], str(target), failure, rank, "100KB")
+        )
+    # A save that succeeds into a folder holding an earlier sharded checkpoint: a single file replaces its shards.
+    target = root / "ep-over-shards" / "target"
+    tiny_model("qwen3_moe", seed=5).save_pretrained(target, max_shard_size="100KB")
+    (target / "README.md").write_text("mine")
+    checkpoint = str(checkpoints["qwen3_moe"])
+    jobs.append(
+        Save("ep-over-shards", "qwen3_moe", checkpoint, ("qwen3_moe-quant",), MODES["ep"], str(target))
+    )
+    run_on_ranks(saves_on_ranks, jobs, str(root), timeout_s=240)
+    return root, before, checkpoints
+
+
+@pytest.mark.parametrize("case", FAILING_SAVES, ids=[case[0] for case in FAILING_SAVES])
+def test_a_sharded_save_that_fails_on_one_rank_writes_nothing_and_fails_on_every_rank(saves, case):
+    name, _, _, _, failure, failing_rank, existing = case
+    root, before, _ = saves
+    target = root / name / "target"
+    if existing:  # the earlier checkpoint as it was, not half replaced
+        names, tensors = before[name]
+        assert sorted(p.name for p in target.iterdir()) == names
+        ours = read_checkpoint(target)
+        assert ours.keys() == tensors.keys()
+        assert all(torch.equal(ours[k], tensors[k]) for k in ours)
+        assert (target / "README.md").read_text() == "mine"
+    else:
+        assert not target.exists(), sorted(p.name for p in target.iterdir())
+    # No staging folder left beside the target.
+    assert sorted(p.name for p in target.parent.iterdir()) == (["target"] if existing else [])
+    for rank in range(WORLD_SIZE):
+        error = (root / f"{name}.rank{rank}.error").read_text()
+        if rank == failing_rank:  # its own error, reaching the user as raised
+            assert error.startswith(INJECTED[failure]), error
+        else:
+            assert error.startswith(f"ShardedSaveError: rank {failing_rank} failed "), error
+            assert INJECTED[failure] in error
+        assert f"nothing was written to {target}" in error
+
+
+def test_a_sharded_save_over_an_earlier_sharded_checkpoint_replaces_its_weights(saves):
+    root, _, checkpoints = saves
+    target = root / "ep-over-shards" / "target"
+    assert not list(root.glob("ep-over-shards.rank*.error"))
+    # One file replaces the earlier save's shards and index; the user's file stays.
+    assert sorted(p.name for p in target.iterdir()) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["target"]
+    ours, original = read_checkpoint(target), read_checkpoint(checkpoints["qwen3_moe"])
+    assert ours.keys() == original.keys()
+    assert all(torch.equal(ours[k], original[k]) for k in ours)

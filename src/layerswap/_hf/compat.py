@@ -190,6 +190,14 @@ INTERNALS: tuple[Internal, ...] = (
         own=True,
     ),
     Internal(
+        "transformers.distributed.mixin",
+        "DistributedMixin.barrier_after_gathered_checkpoint_save",
+        "5.24",  # the release checked; older ones were not
+        "skipped on the saving model during a sharded save: layerswap's all-ranks agreement on the outcome is "
+        "the barrier",
+        fallback="a failed sharded save of a swapped model is not made all-or-nothing",
+    ),
+    Internal(
         "transformers.distributed.sharding_utils",
         "DtensorShardOperation.shard_tensor",
         "5.24",  # the release checked; older ones were not

@@ -89,9 +89,12 @@ def test_unwatch_puts_back_both_save_pretrained_methods():
         from transformers import PretrainedConfig, PreTrainedModel
         stock = PreTrainedModel.__dict__["save_pretrained"], PretrainedConfig.__dict__["save_pretrained"]
         import layerswap
-        from layerswap._hf import records
-        wrapped = PreTrainedModel.__dict__["save_pretrained"], PretrainedConfig.__dict__["save_pretrained"]
+        from layerswap._hf import records, saving
+        # The model's save: the all-or-nothing sharded save (saving) around the recording one (records).
+        model_save = PreTrainedModel.__dict__["save_pretrained"].__wrapped__
+        wrapped = model_save, PretrainedConfig.__dict__["save_pretrained"]
         assert all(w is not s and w.__wrapped__ is s for w, s in zip(wrapped, stock))
+        saving.unwatch()  # in the reverse order of layerswap's import
         records.unwatch()
         assert (PreTrainedModel.__dict__["save_pretrained"], PretrainedConfig.__dict__["save_pretrained"]) == stock
         print("ok")

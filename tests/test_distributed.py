@@ -1,8 +1,10 @@
-"""Swapped modules on two CPU ranks (gloo): tensor parallelism (`tp_plan="auto"`) against one process.
+"""Swapped modules on two CPU ranks (gloo): tensor parallelism (`tp_plan="auto"`) and expert parallelism
+(`DistributedConfig(tp_size=2, ep_size=2)`) against one process, the sizes refused before loading, and saves that
+fail on one rank.
 
-One world of two spawned ranks runs every sharded load of this module (`_support.distributed`); the reference
-logits come from the same checkpoints loaded in this process, without a bundle. docs/distributed.md lists what
-these tests cover.
+One world of two spawned ranks runs every sharded load of this module (`_support.distributed`), another every
+failing save; the reference logits come from the same checkpoints loaded in this process, without a bundle.
+docs/distributed.md lists what these tests cover.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from transformers import AutoModelForCausalLM
 
 import layerswap
 from _support.checkpoints import read_checkpoint
-from _support.distributed import Load, distributed_available, load_on_ranks, run_on_ranks
+from _support.distributed import (
+    WORLD_SIZE,
+    Load,
+    Save,
+    distributed_available,
+    load_on_ranks,
+    run_on_ranks,
+    saves_on_ranks,
+)
 from _support.tiny_models import auto_class, text_logits, tiny_input_ids, tiny_model
 
 pytestmark = pytest.mark.skipif(not distributed_available(), reason="torch without gloo")
@@ -36,15 +46,27 @@ TP_CASES = [
     *[(t, layout, (f"{t}-fast",)) for t in ("qwen3_moe", "mixtral", "olmoe") for layout in LAYOUTS],
 ]
 # Expert parallelism as transformers runs it on two ranks: ep_size == tp_size, whole experts per rank (4 of 8), the
-# attention tensor-parallel.
+# attention tensor-parallel. At inference transformers' dispatch masks the routes to other ranks' experts and sums
+# the ranks' outputs (all_reduce); "ep_all_to_all" sends each rank only its experts' tokens instead.
 EP_CASES = [
     *[(t, "per_expert", bundles, "ep") for t in ("qwen3_moe", "mixtral") for bundles in ((), (f"{t}-fast",))],
     ("qwen3_moe", "fused", ("qwen3_moe-fast",), "ep"),
-    ("qwen3_moe", "per_expert", ("qwen3_moe-quant",), "ep"),
+    *[(t, layout, (f"{t}-quant",), "ep") for t in ("qwen3_moe", "mixtral") for layout in LAYOUTS],
+    ("qwen3_moe", "per_expert", ("qwen3_moe-quant",), "ep_all_to_all"),
 ]
 CASES = [(*case, "tp") for case in TP_CASES] + EP_CASES
 # from_pretrained's arguments for each mode.
-MODES = {"tp": (("tp_plan", "auto"),), "ep": (("distributed_config", {"tp_size": 2, "ep_size": 2}),)}
+EP = {"tp_size": 2, "ep_size": 2}
+MODES = {
+    "tp": (("tp_plan", "auto"),),
+    "ep": (("distributed_config", EP),),
+    "ep_all_to_all": (("distributed_config", {**EP, "ep_implementation": "all_to_all"}),),
+}
+# Sizes refused before any weight is loaded: 3 experts cannot be split into whole experts over 2 ranks; 6 query
+# and 3 key/value heads cannot be split over 2 ranks by a fused attention.
+REFUSED = [
+    *[(t, bundle) for t in ("qwen3_moe", "mixtral") for bundle in (f"{t}-quant", f"{t}-fast")],
+]
 # The experts' intermediate size in the tiny configs.
 EXPERT_INTERMEDIATE = {"qwen3_moe": 64, "mixtral": 128, "olmoe": 128, "llama": 0}
 # fp32 logits of sums in another order: stock sharded against one process differs by about 2e-7.
@@ -84,6 +106,17 @@ def sharded(tmp_path_factory):
     loads.append(
         Load("llama-qkv_proj-fused_qkv", "llama", str(root / "llama-qkv_proj"), ("llama-fused_qkv",))
     )
+    for model_type in ("qwen3_moe", "mixtral"):
+        tiny_model(model_type, num_experts=3, num_local_experts=3).save_pretrained(
+            root / f"{model_type}-3-experts"
+        )
+    loads += [
+        Load(f"refused-{bundle}", t, str(root / f"{t}-3-experts"), (bundle,), MODES["ep"])
+        for t, bundle in REFUSED
+    ]
+    heads = tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    heads.save_pretrained(root / "llama-6-heads")
+    loads.append(Load("refused-llama-fused_qkv", "llama", str(root / "llama-6-heads"), ("llama-fused_qkv",)))
     run_on_ranks(load_on_ranks, loads, input_ids, str(root), timeout_s=300)
     return root, expected, originals, checkpoints
 
@@ -114,9 +147,8 @@ def test_the_swapped_modules_are_sharded(sharded, case):
     assert bool(built["swapped"]) == bool(bundles), built["swapped"]
     layer = "model.layers.0"
     hidden, intermediate = 64, EXPERT_INTERMEDIATE[model_type]
-    if mode == "ep" and any(bundle.endswith("-quant") for bundle in bundles):
-        # transformers' expert-parallel styles shard stacked 3D experts; LinearExperts' nn.Linear stay whole, so
-        # every rank holds every expert (the dispatch then runs them all on the first rank): right, not smaller.
+    if mode.startswith("ep") and any(bundle.endswith("-quant") for bundle in bundles):
+        # Whole experts per rank, each an nn.Linear MLP of its own (no DTensor): see the test below.
         assert not any(".experts." in name for name in sharded_shapes)
     elif any(bundle.endswith("-quant") for bundle in bundles):
         expert = f"{layer}.mlp.experts.0"
@@ -124,7 +156,7 @@ def test_the_swapped_modules_are_sharded(sharded, case):
         # Each rank holds half of every expert's intermediate rows (gate) and columns (down).
         assert sharded_shapes[f"{expert}.{gate}.weight"] == [intermediate // 2, hidden]
         assert sharded_shapes[f"{expert}.{down}.weight"] == [hidden, intermediate // 2]
-    if mode == "ep" and (not bundles or any(bundle.endswith("-fast") for bundle in bundles)):
+    if mode.startswith("ep") and (not bundles or any(bundle.endswith("-fast") for bundle in bundles)):
         # Whole experts per rank: 4 of the 8.
         assert sharded_shapes[f"{layer}.mlp.experts.gate_up_proj"] == [4, 2 * intermediate, hidden]
     elif any(bundle.endswith("-fast") for bundle in bundles):
@@ -136,6 +168,24 @@ def test_the_swapped_modules_are_sharded(sharded, case):
             assert qkv not in sharded_shapes
         else:  # half of the 4 query and 2 key/value heads of 16
             assert sharded_shapes[qkv] == [(4 + 2 + 2) * 16 // 2, hidden]
+
+
+EXPERT_PARALLEL = [case for case in CASES if case[3].startswith("ep")]
+
+
+@pytest.mark.parametrize("case", EXPERT_PARALLEL, ids=[_name(*case) for case in EXPERT_PARALLEL])
+def test_under_expert_parallelism_each_rank_holds_only_its_own_experts(sharded, case):
+    # Stock and -fast: the stacked 3D experts split along the experts axis (DTensor shards). -quant: each rank keeps
+    # the nn.Linear MLPs of its own block of experts; the others are weightless stand-ins, never loaded. Either way a
+    # rank holds 1/world of the experts' parameters, and the ranks' experts are disjoint and complete.
+    model_type, _, bundles, _ = case
+    root, _, originals, _ = sharded
+    _logits(root, _name(*case))
+    held = json.loads((root / f"{_name(*case)}.json").read_text())["experts_per_rank"]
+    total = sum(t.numel() for name, t in originals[model_type].items() if ".experts." in name)
+    assert [rank["elements"] for rank in held] == [total // WORLD_SIZE] * WORLD_SIZE, (total, held)
+    if any(bundle.endswith("-quant") for bundle in bundles):
+        assert [rank["first_layer_experts"] for rank in held] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 SAVED = [case for case in CASES if case[2]]
@@ -167,3 +217,113 @@ def test_a_checkpoint_with_qkv_proj_fused_is_refused_under_tensor_parallelism(sh
         "FusedQKVParallelismError: The checkpoint holds model.layers.0.self_attn.qkv_proj"
     )
     assert "over 2 ranks" in error and "save_pretrained(path)" in error
+
+
+@pytest.mark.parametrize("model_type, bundle", REFUSED, ids=[bundle for _, bundle in REFUSED])
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused(sharded, model_type, bundle):
+    # Stock transformers raises ValueError once sharding starts (-fast); -quant used to keep every expert everywhere.
+    error = (sharded[0] / f"refused-{bundle}.error").read_text()
+    assert error.startswith(
+        "ExpertParallelismError: Expert parallelism over ep_size=2 ranks cannot split "
+    ), error
+    assert "num_experts=3" in error and "3 % 2 = 1" in error
+    assert "Use an ep_size that divides 3 (1, 3), or tensor parallelism" in error
+
+
+def test_a_tensor_parallel_size_that_splits_a_head_is_refused(sharded):
+    error = (sharded[0] / "refused-llama-fused_qkv.error").read_text()
+    assert error.startswith("FusedQKVParallelismError: "), error
+    assert "6 query, 3 key and 3 value heads of 16" in error and "over 2 ranks" in error
+
+
+# --- saves that fail on one rank ------------------------------------------------------------------------------
+
+# (name, model type, bundles, mode, failure, failing rank, the target holds a checkpoint already)
+FAILING_SAVES = [
+    ("ep-convert", "qwen3_moe", ("qwen3_moe-quant",), "ep", "convert", 0, False),
+    ("ep-write", "qwen3_moe", ("qwen3_moe-quant",), "ep", "write", 0, True),
+    ("ep-gather", "mixtral", ("mixtral-quant",), "ep", "gather", 1, False),
+    ("tp-convert", "qwen3_moe", ("qwen3_moe-quant",), "tp", "convert", 0, True),
+    ("tp-fused_qkv-write", "llama", ("llama-fused_qkv",), "tp", "write", 0, False),
+]
+# Each injected failure's message (see _support.distributed._failing) and error type.
+INJECTED = {
+    "convert": "RuntimeError: injected: a conversion failed",
+    "write": "OSError: injected: no space left on device",
+    "gather": "RuntimeError: injected: gathering failed",
+}
+
+
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    """The folder holding every save's target and each rank's error, the checkpoints, and a copy of each
+    target's content before the save."""
+    root = tmp_path_factory.mktemp("saves")
+    checkpoints = {t: root / f"{t}-checkpoint" for t in ("qwen3_moe", "mixtral", "llama")}
+    for model_type, path in checkpoints.items():
+        tiny_model(model_type).save_pretrained(path)
+    jobs, before = [], {}
+    for name, model_type, bundles, mode, failure, rank, existing in FAILING_SAVES:
+        target = root / name / "target"
+        if existing:  # a checkpoint saved earlier, sharded, with a file of the user's
+            tiny_model(model_type, seed=5).save_pretrained(target, max_shard_size="100KB")
+            (target / "README.md").write_text("mine")
+            before[name] = (sorted(p.name for p in target.iterdir()), read_checkpoint(target))
+        # Small shards: the "write" failure comes after a first file was written.
+        checkpoint = str(checkpoints[model_type])
+        jobs.append(
+            Save(name, model_type, checkpoint, bundles, MODES[mode], str(target), failure, rank, "100KB")
+        )
+    # A save that succeeds into a folder holding an earlier sharded checkpoint: a single file replaces its shards.
+    target = root / "ep-over-shards" / "target"
+    tiny_model("qwen3_moe", seed=5).save_pretrained(target, max_shard_size="100KB")
+    (target / "README.md").write_text("mine")
+    checkpoint = str(checkpoints["qwen3_moe"])
+    jobs.append(
+        Save("ep-over-shards", "qwen3_moe", checkpoint, ("qwen3_moe-quant",), MODES["ep"], str(target))
+    )
+    run_on_ranks(saves_on_ranks, jobs, str(root), timeout_s=240)
+    return root, before, checkpoints
+
+
+@pytest.mark.parametrize("case", FAILING_SAVES, ids=[case[0] for case in FAILING_SAVES])
+def test_a_sharded_save_that_fails_on_one_rank_writes_nothing_and_fails_on_every_rank(saves, case):
+    name, _, _, _, failure, failing_rank, existing = case
+    root, before, _ = saves
+    target = root / name / "target"
+    if existing:  # the earlier checkpoint as it was, not half replaced
+        names, tensors = before[name]
+        assert sorted(p.name for p in target.iterdir()) == names
+        ours = read_checkpoint(target)
+        assert ours.keys() == tensors.keys()
+        assert all(torch.equal(ours[k], tensors[k]) for k in ours)
+        assert (target / "README.md").read_text() == "mine"
+    else:
+        assert not target.exists(), sorted(p.name for p in target.iterdir())
+    # No staging folder left beside the target.
+    assert sorted(p.name for p in target.parent.iterdir()) == (["target"] if existing else [])
+    for rank in range(WORLD_SIZE):
+        error = (root / f"{name}.rank{rank}.error").read_text()
+        if rank == failing_rank:  # its own error, reaching the user as raised
+            assert error.startswith(INJECTED[failure]), error
+        else:
+            assert error.startswith(f"ShardedSaveError: rank {failing_rank} failed "), error
+            assert INJECTED[failure] in error
+        assert f"nothing was written to {target}" in error
+
+
+def test_a_sharded_save_over_an_earlier_sharded_checkpoint_replaces_its_weights(saves):
+    root, _, checkpoints = saves
+    target = root / "ep-over-shards" / "target"
+    assert not list(root.glob("ep-over-shards.rank*.error"))
+    # One file replaces the earlier save's shards and index; the user's file stays.
+    assert sorted(p.name for p in target.iterdir()) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["target"]
+    ours, original = read_checkpoint(target), read_checkpoint(checkpoints["qwen3_moe"])
+    assert ours.keys() == original.keys()
+    assert all(torch.equal(ours[k], original[k]) for k in ours)

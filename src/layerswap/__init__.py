@@ -7,7 +7,9 @@ layerswap.enable_bundle("qwen2_moe-quant")   # before from_pretrained / from_con
 from __future__ import annotations
 
 from ._hf import compat as _compat  # noqa: F401  (checks the installed transformers first)
+from ._hf import expert_parallel as _expert_parallel
 from ._hf import records as _records
+from ._hf import saving as _saving
 from .bundle import Bundle, BundleOptions
 from .calibration import calibrate_all_experts
 from .checkpoints import from_pretrained, recorded_bundles
@@ -17,6 +19,7 @@ from .errors import (
     BundleError,
     CheckpointNeedsBundleError,
     CheckpointShapeError,
+    ExpertParallelismError,
     ExpertsImplementationError,
     FusedQKVParallelismError,
     IncompatibleQuantizerError,
@@ -24,6 +27,7 @@ from .errors import (
     LayerswapWarning,
     MissingExpertWeightsError,
     RoutingMismatchError,
+    ShardedSaveError,
     UnknownBundleError,
     UnsupportedTransformersError,
     WeightConversionError,
@@ -45,6 +49,8 @@ from .swaps.fast import register_experts_backend, unregister_experts_backend
 __version__ = "0.1.0"
 
 _records.watch()  # save_pretrained records the bundles a checkpoint needs; loads without them raise
+_expert_parallel.watch()  # a save gathers the experts each rank holds under expert parallelism
+_saving.watch()  # a sharded swapped model's save writes nothing unless every rank succeeded
 watch_peft()  # PEFT checks every local adapter it loads against the model (peft_adapters.unwatch_peft undoes it)
 
 __all__ = [
@@ -55,6 +61,7 @@ __all__ = [
     "BundleOptions",
     "CheckpointNeedsBundleError",
     "CheckpointShapeError",
+    "ExpertParallelismError",
     "ExpertsImplementationError",
     "FusedQKVParallelismError",
     "IncompatibleQuantizerError",
@@ -64,6 +71,7 @@ __all__ = [
     "RecordedRouting",
     "Report",
     "RoutingMismatchError",
+    "ShardedSaveError",
     "UnknownBundleError",
     "UnsupportedTransformersError",
     "WeightConversionError",

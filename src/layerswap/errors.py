@@ -64,6 +64,17 @@ class FusedQKVParallelismError(BundleError):
     """Tensor parallelism was requested for a model whose attention layerswap fused."""
 
 
+class ExpertParallelismError(BundleError, ValueError):
+    """Expert parallelism was requested in a form the experts layerswap swapped in cannot take: an expert-parallel
+    size that does not split the experts into whole experts per rank (stock transformers raises ValueError for
+    that once sharding starts; this is one too, raised before any weight is loaded), or experts of a layout that
+    cannot be split by expert."""
+
+
+class ShardedSaveError(BundleError, RuntimeError):
+    """`save_pretrained` of a sharded model failed on another rank; nothing was written to the target folder."""
+
+
 class RoutingMismatchError(BundleError):
     """Recorded routing whose layer count, token count or top_k does not fit the model or the input."""
 

@@ -85,9 +85,9 @@ def _joined(rank: int, port: int, worker: Callable[..., None], args: tuple) -> N
 class Load:
     """One sharded load: `model_type` from `checkpoint` under `bundles`, with `distributed` (from_pretrained's
     parallelism arguments); its logits for `input_ids` are saved as `<name>.pt` in the output folder, and with
-    `save`, the sharded model saves itself to `<name>-saved`; `<name>.json` says which classes were swapped in and
-    which parameters are sharded, with their local shapes. A load that raises saves the error's text as
-    `<name>.error` instead (rank 0's)."""
+    `save`, the sharded model saves itself to `<name>-saved`; `<name>.json` says which classes were swapped in,
+    which parameters are sharded, with their local shapes, and what each rank holds of the experts. A load that
+    raises saves the error's text as `<name>.error` instead (rank 0's)."""
 
     name: str
     model_type: str
@@ -115,9 +115,13 @@ def load_on_ranks(loads: list[Load], input_ids: torch.Tensor, output: str) -> No
             if rank == 0:
                 (folder / f"{load.name}.error").write_text(f"{type(error).__name__}: {error}")
             continue
+        held = [None] * WORLD_SIZE
+        torch.distributed.all_gather_object(held, _experts_held(model))
         if rank == 0:
             torch.save(logits, folder / f"{load.name}.pt")
-            (folder / f"{load.name}.json").write_text(json.dumps(_layout(model)))
+            (folder / f"{load.name}.json").write_text(
+                json.dumps({**_layout(model), "experts_per_rank": held})
+            )
         torch.distributed.barrier()
 
 
@@ -132,6 +136,26 @@ def _layout(model: torch.nn.Module) -> dict[str, Any]:
             name: list(p.to_local().shape) for name, p in model.named_parameters() if isinstance(p, DTensor)
         },
     }
+
+
+def _experts_held(model: torch.nn.Module) -> dict[str, Any]:
+    """What this rank holds of the experts: the number of expert parameter elements in memory here (a DTensor's
+    local shard), and the indices of the per-expert modules with weights in the first layer (empty for stacked 3D
+    experts)."""
+    from torch.distributed.tensor import DTensor
+
+    elements = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel()
+        for name, p in model.named_parameters()
+        if ".experts." in name
+    )
+    first_layer = "model.layers.0.mlp.experts."
+    indices = {
+        int(name[len(first_layer) :].split(".")[0])
+        for name, _ in model.named_parameters()
+        if name.startswith(first_layer) and name[len(first_layer) :].split(".")[0].isdigit()
+    }
+    return {"elements": elements, "first_layer_experts": sorted(indices)}
 
 
 def train_step_on_ranks(
@@ -186,3 +210,79 @@ def with_lora(model: torch.nn.Module, target_modules: tuple[str, ...]) -> torch.
             if "lora_B" in name:
                 parameter.normal_(0.0, 0.02)
     return model
+
+
+@dataclass(frozen=True)
+class Save:
+    """A save of a sharded model: `model_type` from `checkpoint` under `bundles`, loaded with `distributed`, saved by
+    every rank into `target` with `failure` made to happen on `rank` (see `_failing`; None: nothing fails). Each rank
+    writes the error it raised, with its notes, as `<name>.rank<r>.error` in the output folder."""
+
+    name: str
+    model_type: str
+    checkpoint: str
+    bundles: tuple[str, ...]
+    distributed: tuple[tuple[str, Any], ...]
+    target: str
+    failure: str | None = None
+    rank: int = 0
+    max_shard_size: str = "50GB"
+
+
+def saves_on_ranks(saves: list[Save], output: str) -> None:
+    import layerswap
+    from layerswap.testing.tiny import auto_class
+
+    rank = torch.distributed.get_rank()
+    for save in saves:
+        with layerswap.use_bundle(*save.bundles):
+            model = auto_class(save.model_type).from_pretrained(save.checkpoint, **dict(save.distributed))
+            with _failing(save.failure if rank == save.rank else None):
+                try:
+                    model.save_pretrained(save.target, max_shard_size=save.max_shard_size)
+                except Exception as error:  # recorded for the test to assert on
+                    notes = "".join(f"\nnote: {note}" for note in getattr(error, "__notes__", ()))
+                    text = f"{type(error).__name__}: {error}{notes}"
+                    (Path(output) / f"{save.name}.rank{rank}.error").write_text(text)
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _failing(failure: str | None):
+    """`failure` made to happen on this rank during a save: "convert" (transformers' reverse of the weight
+    conversions raises, once every tensor was gathered), "write" (writing the second safetensors file raises, after
+    the first was written), "gather" (handing this rank's experts to the saving rank raises)."""
+    from unittest import mock
+
+    from transformers import modeling_utils
+
+    if failure is None:
+        yield
+        return
+    if failure == "convert":
+        patch = mock.patch.object(
+            modeling_utils,
+            "revert_weight_conversion",
+            side_effect=RuntimeError("injected: a conversion failed"),
+        )
+    elif failure == "write":
+        write = modeling_utils.safe_save_file
+        calls = []
+
+        def write_once(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args[1])
+            if len(calls) > 1:
+                raise OSError("injected: no space left on device")
+            return write(*args, **kwargs)
+
+        patch = mock.patch.object(modeling_utils, "safe_save_file", write_once)
+    elif failure == "gather":
+        from layerswap._hf import expert_parallel
+
+        patch = mock.patch.object(
+            expert_parallel, "held_tensors", side_effect=RuntimeError("injected: gathering failed")
+        )
+    else:
+        raise ValueError(f"unknown failure {failure!r}")
+    with patch:
+        yield

@@ -80,6 +80,7 @@ def global_state() -> dict[str, Any]:
         "experts_functions_local": dict(ALL_EXPERTS_FUNCTIONS._local_mapping),
         "resolve_parallel_plans": DistributedMixin.__dict__.get("_resolve_parallel_plans"),
         "shard_on_read": _shard_on_read(),
+        "expert_parallel_dispatch": _expert_parallel_dispatch(),
         "checkpoint_conversions": conversion_mapping.get_checkpoint_conversion_mapping,
         "set_experts_implementation": PreTrainedModel.__dict__.get("set_experts_implementation"),
         "post_init": PreTrainedModel.__dict__["post_init"],
@@ -93,6 +94,14 @@ def _shard_on_read() -> Any:
     except ImportError:
         return None
     return DtensorShardOperation.__dict__.get("shard_tensor")
+
+
+def _expert_parallel_dispatch() -> Any:
+    try:
+        from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
+    except ImportError:
+        return None
+    return EpDispatchExpertsParallel.__dict__.get("install_forward")
 
 
 def comparable(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -168,9 +168,34 @@ INTERNALS: tuple[Internal, ...] = (
         "transformers.distributed.mixin",
         "DistributedMixin._resolve_parallel_plans",
         "5.23",
-        "wrapped: refuses tensor-parallel plans that would shard a fused qkv_proj",
+        "wrapped: refuses tensor-parallel plans that would shard a fused qkv_proj, and expert-parallel sizes the "
+        "swapped experts cannot take",
         needed_for="fused_qkv",
         own=True,
+    ),
+    Internal(
+        "transformers.distributed.expert_parallel",
+        "EpDispatchExpertsParallel.install_forward",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: '-quant' experts keep only this rank's experts when the expert-parallel dispatch is installed",
+        fallback="'-quant' experts stay whole on every rank under expert parallelism",
+        own=True,
+    ),
+    Internal(
+        "transformers.distributed.mixin",
+        "DistributedMixin.gather_sharded_state_dict_for_save",
+        "5.24",  # the release checked; older ones were not
+        "wrapped: a save gathers each '-quant' expert from the rank that holds it under expert parallelism",
+        fallback="'-quant' experts stay whole on every rank under expert parallelism",
+        own=True,
+    ),
+    Internal(
+        "transformers.distributed.mixin",
+        "DistributedMixin.barrier_after_gathered_checkpoint_save",
+        "5.24",  # the release checked; older ones were not
+        "skipped on the saving model during a sharded save: layerswap's all-ranks agreement on the outcome is "
+        "the barrier",
+        fallback="a failed sharded save of a swapped model is not made all-or-nothing",
     ),
     Internal(
         "transformers.distributed.sharding_utils",

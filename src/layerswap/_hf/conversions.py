@@ -143,15 +143,26 @@ def make_per_model_conversions(original: Any) -> Any:
     def get_model_conversion_mapping(model: Any, *args: Any, **kwargs: Any) -> Any:
         overrides = conversion_overrides(model)
         if not overrides:
-            return _keeping_stock_names(model, original(model, *args, **kwargs))
+            return _bound(model, _keeping_stock_names(model, original(model, *args, **kwargs)))
         previous = getattr(_conversion_overrides, "lists", None)
         _conversion_overrides.lists = {**(previous or {}), **overrides}
         try:
-            return _keeping_stock_names(model, original(model, *args, **kwargs))
+            return _bound(model, _keeping_stock_names(model, original(model, *args, **kwargs)))
         finally:
             _conversion_overrides.lists = previous
 
     return get_model_conversion_mapping
+
+
+def _bound(model: Any, conversions: Any) -> Any:
+    """`conversions`, each that asks (`_layerswap_bind_model`) told the model it loads into: one that targets a
+    swapped module's weights may need the model as sharded, which happens after this list is made."""
+    if isinstance(conversions, list):
+        for conversion in conversions:
+            bind = getattr(conversion, "_layerswap_bind_model", None)
+            if bind is not None:
+                bind(model)
+    return conversions
 
 
 class _KeepStockName(WeightRenaming):

@@ -1,7 +1,8 @@
 """The load guard around `PreTrainedModel._finalize_model_loading`, which would give swapped-in modules whose
 weights the checkpoint lacks a random init.
 
-Before it runs: a checkpoint tensor of a swapped module with another shape raises CheckpointShapeError, one that
+Before it runs: the checkpoint tensors of experts other ranks hold under expert parallelism are not unexpected; a
+checkpoint tensor of a swapped module with another shape raises CheckpointShapeError, one that
 tensor parallelism cut wrongly the module's own error (`_layerswap_check_checkpoint_keys`), missing
 weights MissingExpertWeightsError (WeightConversionError when the quantizer failed on weights the checkpoint has).
 After: a warning when a bundle swapped nothing, and after a quantized load, the quantized swapped-in layers keep
@@ -22,6 +23,7 @@ from ..errors import CheckpointShapeError, LayerswapWarning, MissingExpertWeight
 from ..quantized import is_quantized_linear
 from . import quantizers
 from .active import enabled_records, is_swapped, swapped_modules
+from .expert_parallel import forget_keys_held_elsewhere
 from .records import check_recorded_bundles
 
 # How a conversion op's CheckpointShapeError reads in transformers' record of it (a traceback's last line).
@@ -32,9 +34,11 @@ def make_guarded_finalize(original: staticmethod) -> staticmethod:
     finalize = original.__func__
 
     def _finalize_model_loading(model: Any, load_config: Any, loading_info: Any) -> Any:
+        swapped = swapped_modules(model)  # one walk of the module tree for every check below
+        # Under expert parallelism, the experts other ranks hold are theirs to load.
+        forget_keys_held_elsewhere(swapped, loading_info)
         # A checkpoint saved under bundles not in force: that error first, it names the bundles to enable.
         check_recorded_bundles(model, load_config, loading_info)
-        swapped = swapped_modules(model)  # one walk of the module tree for every check below
         _raise_on_wrong_shaped_swapped_weights(swapped, load_config, loading_info)
         _check_checkpoint_keys(swapped, load_config)
         if not _loads_no_weights_at_all(model, load_config, loading_info):

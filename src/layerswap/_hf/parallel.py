@@ -1,5 +1,5 @@
-"""Tensor parallelism: plans that describe the modules a bundle swapped in, and the guard that refuses plans
-sharding what cannot be sharded.
+"""Tensor and expert parallelism: plans that describe the modules a bundle swapped in, and the guard that refuses
+plans sharding what cannot be sharded.
 
 A model's `tp_plan` comes from its config and classes, which name the stock modules: `mlp.experts.gate_up_proj`
 (`packed_colwise`), `mlp.experts.down_proj` (`rowwise`), `mlp.experts` (`moe_tp_experts`, which sums the experts'
@@ -18,8 +18,16 @@ A swapped class says what its entries become through `_layerswap_tp_plan(owner, 
 replace the stock entry `owner.leaf` (an empty dict drops it), or None for the rule above. A class that cannot be
 sharded at all sets `_layerswap_unshardable` (a message naming the fix); a module whose sharding holds only for
 some sizes has `_layerswap_check_tensor_parallel(name, entries, tp_size)`, which raises where they do not fit.
-`check_tensor_parallel_plans` (an installer) runs both when transformers resolves a plan, before any weight is
-loaded.
+
+The expert-parallel plan (`ep_plan`: `mlp.experts` dispatched by `ep_dispatch_experts`, its stacked 3D parameters
+split by expert, `grouped_gemm`) is rewritten the same way through `_layerswap_ep_plan`: LinearExperts keeps the
+dispatch entry and drops the others, as it splits itself by expert (`_hf.expert_parallel`). Every swapped experts
+module the dispatch reaches must split into whole experts per rank: an expert-parallel size that does not divide
+its `num_experts` is refused (ExpertParallelismError), and a module with `_layerswap_check_expert_parallel(name,
+ep_size, dp_size)` refuses what else it cannot take.
+
+`check_tensor_parallel_plans` and `check_expert_parallel_plans` (installers) run these checks when transformers
+resolves the plans, before any weight is loaded.
 
 Loading under tensor parallelism, transformers reads each checkpoint tensor already cut to this rank's shard
 (`DtensorShardOperation`), cut as the first parameter the tensor's converter fills is sharded. A fused experts
@@ -40,20 +48,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import FusedQKVParallelismError, UnsupportedTransformersError
+from ..errors import ExpertParallelismError, FusedQKVParallelismError, UnsupportedTransformersError
 from .active import is_swapped
 from .compat import unsupported_reason
 from .journal import Journal
 
 
-def rewrite_tp_plans(model: nn.Module) -> None:
-    """Rewrite the `_tp_plan` of `model` and of every PreTrainedModel inside it for the modules swapped in."""
+def rewrite_parallel_plans(model: nn.Module) -> None:
+    """Rewrite the `_tp_plan` and `_ep_plan` of `model` and of every PreTrainedModel inside it for the modules
+    swapped in."""
     from transformers.modeling_utils import PreTrainedModel
 
     for submodel in model.modules():
+        if not isinstance(submodel, PreTrainedModel):
+            continue
         plan = getattr(submodel, "_tp_plan", None)
-        if isinstance(submodel, PreTrainedModel) and isinstance(plan, dict) and plan:
-            submodel._tp_plan = _rewritten(submodel, plan)
+        if isinstance(plan, dict) and plan:
+            submodel._tp_plan = _rewritten(submodel, plan, "_layerswap_tp_plan")
+        plan = getattr(submodel, "_ep_plan", None)
+        if isinstance(plan, dict) and plan:
+            submodel._ep_plan = _rewritten(submodel, plan, "_layerswap_ep_plan")
 
 
 def _generic(name: str) -> str:
@@ -61,7 +75,7 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
 
 
-def _rewritten(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def _rewritten(model: nn.Module, plan: dict[str, str], rule_name: str) -> dict[str, str]:
     swapped: dict[str, type] = {}
     for name, module in model.named_modules():
         if is_swapped(module):
@@ -77,7 +91,7 @@ def _rewritten(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if owner is None:
             rewritten[key] = style
             continue
-        rule = getattr(swapped[owner], "_layerswap_tp_plan", None)
+        rule = getattr(swapped[owner], rule_name, None)
         replaced = rule(owner, key[len(owner) + 1 :], style) if rule is not None else None
         if replaced is not None:
             rewritten.update(replaced)
@@ -86,7 +100,7 @@ def _rewritten(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return rewritten
 
 
-class _SharedWrapper:
+class SharedWrapper:
     """One wrapper around `owner.attribute` shared by every bundle that installs it: the first one in wraps, the
     last one out puts back."""
 
@@ -116,21 +130,30 @@ class _SharedWrapper:
         return restore
 
 
-# --- refusing plans that shard inside an unshardable module ------------------------------------------------
+# --- refusing plans that shard what cannot be sharded --------------------------------------------------------
 
 
-def _distributed_mixin() -> type:
+def _distributed_mixin() -> type | None:
+    """transformers' DistributedMixin where it resolves parallel plans in `_resolve_parallel_plans`, else None."""
+    try:
+        from transformers.distributed.mixin import DistributedMixin
+    except ImportError:
+        return None
+    return DistributedMixin if "_resolve_parallel_plans" in vars(DistributedMixin) else None
+
+
+def check_tensor_parallel_plans(options: Any) -> Callable[[], None]:
+    """Installer ('-fused_qkv'): wrap DistributedMixin._resolve_parallel_plans with the swapped modules' checks."""
     # enable_bundle refuses first (compat.refuse_unsupported); this guards a direct call.
     reason = unsupported_reason("fused_qkv")
     if reason is not None:
         raise UnsupportedTransformersError(f"{reason}.")
-    from transformers.distributed.mixin import DistributedMixin
-
-    return DistributedMixin
+    return _plan_guard.install()
 
 
-def check_tensor_parallel_plans(options: Any) -> Callable[[], None]:
-    """Installer: wrap DistributedMixin._resolve_parallel_plans with the swapped modules' checks."""
+def check_expert_parallel_plans(options: Any) -> Callable[[], None]:
+    """Installer ('-quant', '-fast'): the same guard, which refuses expert-parallel sizes the swapped experts cannot
+    take; nothing where the installed transformers has no `_resolve_parallel_plans` to wrap (see _hf/compat.py)."""
     return _plan_guard.install()
 
 
@@ -138,14 +161,41 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _resolve_parallel_plans(self: nn.Module, distributed_config: Any) -> Any:
         plans = original(self, distributed_config)
-        refuse_plan_through_unshardable(self, plans[0])
-        check_swapped_modules(self, plans[0], distributed_config.tp_size)
+        tp_plan, ep_plan = plans[0], plans[1] if len(plans) > 1 else {}
+        refuse_plan_through_unshardable(self, tp_plan)
+        check_swapped_modules(self, tp_plan, distributed_config.tp_size)
+        ep_size, dp_size = (getattr(distributed_config, f"{kind}_size", 1) for kind in ("ep", "dp"))
+        check_expert_parallel(self, ep_plan, ep_size, dp_size)
         return plans
 
     return _resolve_parallel_plans
 
 
-_plan_guard = _SharedWrapper(_distributed_mixin, "_resolve_parallel_plans", _guarded)
+_plan_guard = SharedWrapper(_distributed_mixin, "_resolve_parallel_plans", _guarded)
+
+
+def check_expert_parallel(model: nn.Module, ep_plan: dict[str, str], ep_size: int, dp_size: int) -> None:
+    """Raise ExpertParallelismError, before any weight is loaded, where the resolved (layer-numbered)
+    expert-parallel plan dispatches to a swapped experts module that cannot be split into `ep_size` parts of whole
+    experts."""
+    if ep_size <= 1 or not ep_plan:
+        return
+    for name, module in model.named_modules():
+        if not is_swapped(module) or ep_plan.get(name) != "ep_dispatch_experts":
+            continue
+        count = getattr(module, "num_global_experts", getattr(module, "num_experts", None))
+        if isinstance(count, int) and count % ep_size:
+            divisors = [d for d in range(1, count + 1) if count % d == 0]
+            raise ExpertParallelismError(
+                f"Expert parallelism over ep_size={ep_size} ranks cannot split {name} ({type(module).__name__}, "
+                f"swapped in by layerswap) into whole experts per rank: it has num_experts={count}, and "
+                f"{count} % {ep_size} = {count % ep_size}. Use an ep_size that divides {count} "
+                f"({', '.join(map(str, divisors))}), or tensor parallelism without ep_size (tp_plan='auto', or "
+                "DistributedConfig(tp_size=N)), which splits every expert over the ranks."
+            )
+        check = getattr(module, "_layerswap_check_expert_parallel", None)
+        if check is not None:
+            check(name, ep_size, dp_size)
 
 
 def check_swapped_modules(model: nn.Module, tp_plan: dict[str, str], tp_size: int) -> None:
@@ -204,7 +254,7 @@ def _whole_when_fused(original: Callable[..., Any]) -> Callable[..., Any]:
     return shard_tensor
 
 
-_whole_sources = _SharedWrapper(_shard_operation, "shard_tensor", _whole_when_fused)
+_whole_sources = SharedWrapper(_shard_operation, "shard_tensor", _whole_when_fused)
 
 
 def read_fused_sources_whole(options: Any) -> Callable[[], None]:

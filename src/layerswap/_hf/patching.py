@@ -4,8 +4,8 @@
 - transformers' `apply_patches` restores the swapped classes only when the block ends normally; the wrapper
   restores them on every exit, and serialises model construction across threads.
 - `PreTrainedModel.post_init` ends every constructor: a swapped model built outside `apply_patches` gets the
-  conversions in force and its tensor-parallel plan rewritten; an unswapped one warns when an enabled bundle serves
-  its family.
+  conversions in force and its tensor- and expert-parallel plans rewritten; an unswapped one warns when an
+  enabled bundle serves its family.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from transformers import monkey_patching
 from ..errors import LayerswapWarning
 from .active import enabled_records, swapped_modules
 from .conversions import remember_conversions
-from .parallel import rewrite_tp_plans
+from .parallel import rewrite_parallel_plans
 from .records import remember_bundles
 
 
@@ -182,7 +182,7 @@ def make_checked_post_init(original: Any) -> Any:
         if not getattr(_building, "depth", 0):
             if swapped:
                 remember_conversions(self)
-                rewrite_tp_plans(self)
+                rewrite_parallel_plans(self)
             else:
                 _warn_on_unswapped_construction(self)
 

@@ -22,7 +22,7 @@ from ..errors import UnsupportedTransformersError
 from .compat import TRANSFORMERS_VERSION
 from .conversions import remember_conversions
 from .journal import Journal
-from .parallel import rewrite_tp_plans
+from .parallel import rewrite_parallel_plans
 
 # The recorder dicts and recorders as they were before the first rewrite since a bundle was enabled.
 _journal = Journal()
@@ -53,7 +53,7 @@ def make_journaling_patch_output_recorders(original: Any) -> Any:
         with _tuple_targets_set_aside(model):
             original(model)
         _keep_stock_classes_recorded(before)
-        rewrite_tp_plans(model)
+        rewrite_parallel_plans(model)
 
     return patch_output_recorders
 

@@ -210,3 +210,35 @@ def test_tied_experts_missing_from_the_checkpoint_are_an_error(tmp_path):
         pytest.raises(MissingExpertWeightsError, match=r"lacks \d+ weight.*decoder\.layers\.1\.experts"),
     ):
         auto_class("diffusion_gemma").from_pretrained(tmp_path)
+
+
+def test_under_expert_parallelism_a_fused_tensor_loads_only_the_experts_this_rank_holds():
+    # Rank 1 of 2 holds experts 4..7: the fused tensor's converter names expert 4's weight (transformers accepts only
+    # a key the model has), and the split makes those experts alone, each a copy, so the fused tensor is freed.
+    from layerswap.swaps.quant.conversion import SplitFusedExperts, _first_held_expert
+
+    with layerswap.use_bundle("qwen3_moe-quant"):
+        model = AutoModelForCausalLM.from_config(tiny_model("qwen3_moe").config)
+    experts = model.model.layers[0].mlp.experts
+    experts._layerswap_shard_experts(1, 2)
+    key = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    assert _first_held_expert(model, key) == "model.layers.0.mlp.experts.4.gate_proj.weight"
+    assert _first_held_expert(model, key.removeprefix("model.")) == "layers.0.mlp.experts.4.gate_proj.weight"
+    assert _first_held_expert(model, key.replace("layers.0", "layers.1")) == key.replace(
+        "layers.0", "layers.1"
+    )
+
+    fused = torch.randn(8, 2 * 64, 64)
+    split = SplitFusedExperts(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"))
+    pieces = split.convert(
+        {"mlp.experts.gate_up_proj": fused},
+        [],
+        [],
+        model=model,
+        full_layer_name="model.layers.0.mlp.experts.4.gate_proj.weight",
+    )
+    assert sorted(pieces) == sorted(
+        f"mlp.experts.{e}.{p}.weight" for e in range(4, 8) for p in ("gate_proj", "up_proj")
+    )
+    assert torch.equal(pieces["mlp.experts.5.up_proj.weight"], fused[5, 64:])
+    assert all(p.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr() for p in pieces.values())

@@ -12,8 +12,13 @@ from _support.transformers_support import needs_model_type
 from layerswap._hf import compat as _compat
 from layerswap._hf.experts import STOCK_LAYOUT_FLAGS
 from layerswap.bundle import BundleOptions
-from layerswap.errors import UnsupportedTransformersError
-from layerswap.swaps.quant.modules import LinearExperts, LinearPostNormExperts, linear_experts_adapter
+from layerswap.errors import ExpertParallelismError, UnsupportedTransformersError
+from layerswap.swaps.quant.modules import (
+    LinearExperts,
+    LinearPostNormExperts,
+    RemoteExpert,
+    linear_experts_adapter,
+)
 
 
 def _stock_and_linear(family):
@@ -89,6 +94,61 @@ def test_expert_parallel_sentinel_index_is_skipped():
     torch.testing.assert_close(
         linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
     )
+
+
+def _split_by_expert(linear, rank, size):
+    """A copy of `linear` as rank `rank` of `size` holds it under expert parallelism."""
+    import copy
+
+    part = copy.deepcopy(linear)
+    part._layerswap_shard_experts(rank, size)
+    return part
+
+
+def _local_routes(index, weights, held):
+    # What transformers' all-reduce dispatch hands a rank: its experts' local ids, every other route as the
+    # sentinel id (the local count) with weight 0.
+    off_rank = (index < held.start) | (index >= held.stop)
+    return index.where(off_rank, index - held.start).masked_fill(off_rank, len(held)), weights.masked_fill(
+        off_rank, 0.0
+    )
+
+
+def test_experts_split_by_expert_hold_only_their_own_and_sum_to_the_whole():
+    # Under expert parallelism each rank keeps a contiguous block of whole experts (as transformers splits stacked
+    # experts); the others are weightless stand-ins, and the ranks' partial outputs sum to the whole output.
+    stock, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    hidden = torch.randn(9, linear.hidden_dim)
+    index, weights = _routing(9, linear.num_experts, 2)
+    total = sum(p.numel() for p in linear.parameters())
+    parts = [_split_by_expert(linear, rank, 2) for rank in range(2)]
+    assert [part._layerswap_held_experts for part in parts] == [range(0, 4), range(4, 8)]
+    assert [part.num_experts for part in parts] == [4, 4] and parts[1].num_global_experts == 8
+    assert [sum(p.numel() for p in part.parameters()) for part in parts] == [total // 2] * 2
+    assert isinstance(parts[0][5], RemoteExpert) and isinstance(parts[1][2], RemoteExpert)
+    down = linear.expert_names.down
+    assert torch.equal(getattr(parts[1][4], down).weight, getattr(linear[4], down).weight)
+    outputs = [part(hidden, *_local_routes(index, weights, part._layerswap_held_experts)) for part in parts]
+    torch.testing.assert_close(sum(outputs), stock(hidden, index, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_held_by_another_rank_cannot_run():
+    _, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    part = _split_by_expert(linear, 1, 2)
+    with pytest.raises(RuntimeError, match="expert 0 is held by rank 0 under expert parallelism"):
+        part[0](torch.randn(2, linear.hidden_dim))
+
+
+def test_expert_parallelism_is_refused_where_experts_cannot_be_split_by_expert():
+    _, linear, _ = _stock_and_linear(MOE_FAMILIES[0])
+    linear._layerswap_check_expert_parallel("model.layers.0.mlp.experts", 2, 1)  # fine
+    with pytest.raises(
+        ExpertParallelismError, match=r"dp_size=2\).*DistributedConfig\(tp_size=N, ep_size=N\)"
+    ):
+        linear._layerswap_check_expert_parallel("model.layers.0.mlp.experts", 2, 2)
+    linear._layerswap_expert_parallel_refusal = "a reason"
+    with pytest.raises(ExpertParallelismError, match=r"by expert: a reason\. Use tensor parallelism instead"):
+        linear._layerswap_check_expert_parallel("model.layers.0.mlp.experts", 2, 1)
 
 
 def test_experts_without_tokens_and_gradients_flow():

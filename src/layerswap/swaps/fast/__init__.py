@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers.core_model_loading import WeightTransform
 
-from ..._hf.parallel import check_tensor_parallel_plans
+from ..._hf.parallel import check_expert_parallel_plans, check_tensor_parallel_plans
 from ...bundle import Bundle, BundleOptions, Family, Patch
 from .. import fused_qkv
 from .conversion import shape_checked_expert_merges
@@ -56,6 +56,6 @@ def build(family: Family) -> Bundle | None:
         ),
         patches=tuple(patches),
         conversions=conversions,
-        installers=(check_tensor_parallel_plans,) if fused_attention else (),
+        installers=(check_tensor_parallel_plans,) if fused_attention else (check_expert_parallel_plans,),
         needs=("fused_qkv",) if fused_attention else (),
     )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from ..._hf.parallel import read_fused_sources_whole
+from ..._hf.expert_parallel import shard_experts_on_dispatch
+from ..._hf.parallel import check_expert_parallel_plans, read_fused_sources_whole
 from ...bundle import Bundle, Family, Patch
 from .conversion import linear_experts_conversions, parallel_experts_conversions
 from .modules import LinearExperts, linear_experts_adapter
@@ -40,5 +41,5 @@ def build(family: Family) -> Bundle | None:
         ),
         patches=tuple(Patch(family.modeling_module, experts, adapter) for experts in family.all_experts),
         conversions=dict.fromkeys(family.conversion_keys, edit),
-        installers=(read_fused_sources_whole,),
+        installers=(read_fused_sources_whole, check_expert_parallel_plans, shard_experts_on_dispatch),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -43,7 +44,8 @@ class SplitFusedExperts(ConversionOps):
     gate_up splits into gate (the first half of its rows, or the even rows where interleaved) and up. Transposed
     weights (`[E, in, out]`) are transposed to nn.Linear's `[out, in]` first; flat ones (`[E * out, in]`, dbrx)
     are viewed per expert. Under tensor parallelism the fused tensor arrives whole (`read_fused_sources_whole`)
-    and each piece is cut to this rank's part of the weight it loads into.
+    and each piece is cut to this rank's part of the weight it loads into; under expert parallelism only the
+    experts this rank holds are made, each a copy, so the fused tensor is freed.
     """
 
     def __init__(self, targets: tuple[str, ...], tensor: FusedTensor | None = None) -> None:
@@ -66,7 +68,7 @@ class SplitFusedExperts(ConversionOps):
         model, layer_name = kwargs.get("model"), kwargs.get("full_layer_name")
         experts = _experts_module(model, layer_name) if model is not None and layer_name else None
         if spec.flat:
-            tensor = tensor.view(experts.num_experts, -1, tensor.shape[-1])
+            tensor = tensor.view(experts.num_global_experts, -1, tensor.shape[-1])
         if spec.transposed:
             tensor = tensor.transpose(1, 2)
         count = len(self.targets)
@@ -74,15 +76,18 @@ class SplitFusedExperts(ConversionOps):
             parts = [tensor[:, index::count] for index in range(count)]
         else:
             parts = tensor.chunk(count, dim=1)
+        held = getattr(experts, "_layerswap_held_experts", None)
         pieces = {}
         for target, part in zip(self.targets, parts, strict=True):
             leaf = target.split("*.", 1)[1]  # the parameter inside one expert: gate_proj.weight
             for expert in range(tensor.shape[0]):
+                if held is not None and expert not in held:
+                    continue  # held by another rank under expert parallelism
                 piece = part[expert]
                 if experts is not None:
                     piece = local_shard(experts.get_parameter(f"{expert}.{leaf}"), piece)
                 name = target.removeprefix(_AT_NAME_START).replace("*", str(expert))
-                pieces[name] = _with_own_storage(piece)
+                pieces[name] = _with_own_storage(piece) if held is None else piece.clone()
         return pieces
 
 
@@ -126,12 +131,14 @@ class FusedToLinearExperts(WeightConverter):
     """Loads a fused experts tensor into LinearExperts' per-expert weights.
 
     The converter's target is the first real per-expert key (`...experts.0.gate_proj.weight`): transformers only
-    accepts a renamed key that the model has, and SplitFusedExperts then names every expert's tensor.
+    accepts a renamed key that the model has, and SplitFusedExperts then names every expert's tensor. Under expert
+    parallelism a rank may not hold expert 0: the target is then the first expert it holds, read from the model
+    `_hf.conversions` binds the converter to (`_layerswap_bind_model`).
     With `saves_fused`, saving merges the experts back (the family's stock layout is fused); without, saving
     leaves the per-expert keys as they are (the stock layout is per-expert) and the converter is load-only.
     """
 
-    __slots__ = ("per_expert_targets", "saves_fused")
+    __slots__ = ("_layerswap_model", "per_expert_targets", "saves_fused")
 
     def __init__(
         self,
@@ -148,6 +155,19 @@ class FusedToLinearExperts(WeightConverter):
         )
         self.per_expert_targets = per_expert_targets
         self.saves_fused = saves_fused
+        self._layerswap_model: weakref.ref | None = None
+
+    def _layerswap_bind_model(self, model: Any) -> None:
+        """The model this converter loads into (weakly): where its experts are split by expert, it names the
+        first expert each module holds."""
+        self._layerswap_model = weakref.ref(model)
+
+    def rename_source_key(self, source_key: str) -> tuple[str, str | None]:
+        renamed, pattern = super().rename_source_key(source_key)
+        model = self._layerswap_model() if self._layerswap_model is not None else None
+        if pattern is None or model is None:
+            return renamed, pattern
+        return _first_held_expert(model, renamed), pattern
 
     def copy(self, source_patterns, target_patterns, **kwargs) -> WeightConverter:
         kwargs.setdefault("per_expert_targets", self.per_expert_targets)
@@ -251,6 +271,27 @@ def _experts_module(model: Any, layer_name: str) -> Any:
         if hasattr(module, "_stock_shapes"):
             return module
     raise ValueError(f"{layer_name} is not in a layerswap experts module")
+
+
+def _first_held_expert(model: Any, key: str) -> str:
+    """`key` (expert 0's weight in an experts module) naming the first expert that module holds on this rank, where
+    expert parallelism left it only some; `key` itself otherwise. The key may lack the base model's prefix (a
+    checkpoint of the base model loading into one with a head), as transformers adds it later."""
+    base = getattr(model, "base_model_prefix", "")
+    for added in ("", *([f"{base}."] if base else [])):
+        parts = (added + key).split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            try:
+                module = model.get_submodule(".".join(parts[:end]))
+            except AttributeError:
+                continue
+            if not hasattr(module, "_stock_shapes"):  # not the experts module: a module inside it
+                continue
+            held = getattr(module, "_layerswap_held_experts", None)
+            if held is None:
+                return key
+            return ".".join([*parts[:end], str(held.start), *parts[end + 1 :]]).removeprefix(added)
+    return key
 
 
 def _own_op(op: ConversionOps, leaf: str) -> ConversionOps:

@@ -22,7 +22,12 @@ from torch import nn
 from ..._hf.compat import TRANSFORMERS_VERSION
 from ..._hf.experts import configured_implementation, layout_mismatches, own_gate
 from ...bundle import BundleOptions, ExpertsFlags
-from ...errors import ExpertsImplementationError, LayerswapWarning, UnsupportedTransformersError
+from ...errors import (
+    ExpertParallelismError,
+    ExpertsImplementationError,
+    LayerswapWarning,
+    UnsupportedTransformersError,
+)
 from ...quantized import is_quantized_linear
 from .._stock_layout import ExpertNames, stock_experts_layout
 from .all_experts import DEFAULT_CHUNK_SIZE, pipeline_requests_all_experts
@@ -94,6 +99,24 @@ class ExpertMLP(nn.Module):
         return output if self.post_norm is None else self.post_norm(output)
 
 
+class RemoteExpert(nn.Module):
+    """Stands where an expert that another rank holds under expert parallelism would be: no weights. The
+    expert-parallel dispatch never routes a token to it."""
+
+    def __init__(self, index: int, rank: int) -> None:
+        super().__init__()
+        self.index, self.rank = index, rank
+
+    def extra_repr(self) -> str:
+        return f"expert={self.index}, held_by_rank={self.rank}"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            f"expert {self.index} is held by rank {self.rank} under expert parallelism; this rank cannot run it "
+            "(the expert-parallel dispatch sends each rank only routes to its own experts)"
+        )
+
+
 class LinearExperts(nn.ModuleList):
     """Drop-in for a group-A Experts module, with the same forward contract:
     `forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
@@ -115,6 +138,10 @@ class LinearExperts(nn.ModuleList):
     _layerswap_names_by_model_type: Mapping[str, ExpertNames] = MappingProxyType({})
     # Set by layerswap.calibrate_all_experts: run every expert on the tokens not routed to it too, this many at once.
     _layerswap_all_experts_chunk: int | None = None
+    # Under expert parallelism, the experts (global indices) this rank holds; None: it holds them all.
+    _layerswap_held_experts: range | None = None
+    # Why these experts cannot be split by expert (None: they can).
+    _layerswap_expert_parallel_refusal: str | None = None
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         # The stock module, built on the meta device (no memory), to read its shapes and activation.
@@ -138,7 +165,8 @@ class LinearExperts(nn.ModuleList):
                 "LinearPostNormExperts."
             )
         self.config = config
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # this rank's count under expert parallelism, as transformers expects
+        self.num_global_experts = num_experts
         self.hidden_dim = hidden_size
         self.intermediate_dim = intermediate_size
         self.flags = flags
@@ -224,6 +252,54 @@ class LinearExperts(nn.ModuleList):
             return {}
         return {} if not leaf else None
 
+    @classmethod
+    def _layerswap_ep_plan(cls, owner: str, leaf: str, style: str) -> dict[str, str] | None:
+        """The module's expert-parallel dispatch entry stays; the entries for the stock 3D parameters go: the experts
+        split themselves, whole experts per rank, when transformers installs the dispatch
+        (`_layerswap_shard_experts`)."""
+        return {owner: style} if not leaf else {}
+
+    def _layerswap_check_expert_parallel(self, name: str, ep_size: int, dp_size: int) -> None:
+        """Refuse, before any weight is loaded, expert parallelism these experts cannot take (the expert count itself
+        is checked for every swapped experts module, by `_hf.parallel`)."""
+        tensor_parallel = (
+            "tensor parallelism instead (tp_plan='auto', or DistributedConfig(tp_size=N) without ep_size), which "
+            "splits every expert's nn.Linear over the ranks"
+        )
+        if self._layerswap_expert_parallel_refusal is not None:
+            raise ExpertParallelismError(
+                f"Expert parallelism over ep_size={ep_size} ranks cannot split {name} "
+                f"({type(self).__name__}, bundle {self._layerswap_bundle!r}) by expert: "
+                f"{self._layerswap_expert_parallel_refusal}. Use {tensor_parallel}."
+            )
+        if dp_size > 1:
+            raise ExpertParallelismError(
+                f"Expert parallelism (ep_size={ep_size}) with data parallelism (FSDP, dp_size={dp_size}) is not "
+                f"served for {name} ({type(self).__name__}, bundle {self._layerswap_bundle!r}): its experts split "
+                "by expert only alongside tensor parallelism. Use DistributedConfig(tp_size=N, ep_size=N), FSDP "
+                f"without ep_size, or {tensor_parallel}."
+            )
+
+    def _layerswap_shard_experts(self, rank: int, size: int) -> None:
+        """Keep only the experts rank `rank` of `size` holds under expert parallelism (a contiguous block, as
+        transformers' expert-parallel plan splits stacked 3D experts); the others become weightless RemoteExperts,
+        so they are neither loaded nor kept in memory. Called by `_hf` when transformers installs the dispatch,
+        before any weight is loaded; `num_experts` becomes this rank's count, the dispatch's local expert ids."""
+        if self._layerswap_held_experts is not None:
+            return
+        count = self.num_global_experts // size
+        held = range(rank * count, (rank + 1) * count)
+        for index in range(self.num_global_experts):
+            if index not in held:
+                self[index] = RemoteExpert(index, index // count)
+        self._layerswap_held_experts = held
+        self.num_experts = count
+
+    def _expert(self, local_index: int) -> nn.Module:
+        """The expert with this rank's (the dispatch's) index: the global one where this rank holds every expert."""
+        held = self._layerswap_held_experts
+        return self[local_index if held is None else held.start + local_index]
+
     # --- what calibrate_all_experts asks ---
 
     # Why calibrate_all_experts cannot run these experts on the tokens not routed to them (None: it can).
@@ -254,7 +330,7 @@ class LinearExperts(nn.ModuleList):
         start = 0
         for expert_index, count in enumerate(counts[: self.num_experts]):
             if count:
-                outputs.append(self[expert_index](rows[start : start + count]))
+                outputs.append(self._expert(expert_index)(rows[start : start + count]))
             start += count
         if outputs:
             weighted = torch.cat(outputs) * weight_of_pair
@@ -282,7 +358,7 @@ class LinearExperts(nn.ModuleList):
             for expert_index in range(self.num_experts):
                 unrouted = (top_k_index != expert_index).all(dim=-1).nonzero().squeeze(1)
                 for start in range(0, unrouted.numel(), chunk_size):
-                    self[expert_index](hidden_states[unrouted[start : start + chunk_size]])
+                    self._expert(expert_index)(hidden_states[unrouted[start : start + chunk_size]])
 
 
 def _stock_layout_of(
@@ -374,6 +450,10 @@ def linear_experts_adapter(
         forward = _forward_named_as(original) if base is LinearExperts else None
         if forward is not None:
             attributes["forward"] = forward
+        if forward is _dense_forward:
+            attributes["_layerswap_expert_parallel_refusal"] = (
+                "its experts see every token, already weighted (dense experts), not routes"
+            )
         return type(f"Linear{original.__name__}", (base,), attributes)
 
     return build
@@ -413,6 +493,10 @@ class LinearDbrxExperts(LinearExperts):
     projection stacked as [E * I, H] (the family row's tensors say so), and whose forward takes and returns
     [B, S, H]."""
 
+    _layerswap_expert_parallel_refusal = (
+        "dbrx's experts take [B, S, H] inputs, not the dispatch's routed rows"
+    )
+
     @classmethod
     def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:
         return (
@@ -450,6 +534,7 @@ class LinearParallelExperts(LinearExperts):
         "jetmoe's JetMoeParallelExperts get rows already grouped by expert, without the tokens they came from, so "
         "the tokens an expert did not get cannot be told apart"
     )
+    _layerswap_expert_parallel_refusal = "jetmoe's experts get rows already grouped by expert, not routes"
 
     # The family's _init_weights initialises `weight` (each nn.Linear gets the same normal init on its own).
     weight = property(lambda self: self._stand_in("weight"))
@@ -503,6 +588,8 @@ class LinearLongcatFlashExperts(LinearExperts):
     """longcat_flash's LongcatFlashExperts: N real experts, then Z identity (zero-compute) experts whose routed rows
     pass through unchanged, weighted. The stock gate_up_proj stacks N + Z experts (the identity experts' rows are
     never used), down_proj the N real ones."""
+
+    _layerswap_expert_parallel_refusal = "longcat_flash's identity experts are counted with its real ones"
 
     @classmethod
     def _read_stock(cls, reference: nn.Module) -> tuple[int, int, int, ExpertsFlags, Any]:

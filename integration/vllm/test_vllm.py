@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,3 +326,24 @@ def test_checkpoint_saved_under_quant_serves_the_same_greedy_tokens(family, vllm
         assert ours["token_ids"] == theirs["token_ids"]
         assert ours["logprobs"] == theirs["logprobs"]
         np.testing.assert_array_equal(ours["routed_experts"], theirs["routed_experts"])
+
+
+# --- docs/vllm.md -----------------------------------------------------------------------------------------
+
+
+def test_the_docs_example_runs(vllm_models, tmp_path):
+    # docs/vllm.md's python block, as written, with `path` bound (the main suite has no vLLM to run it with).
+    page = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S)
+    assert len(blocks) == 1
+    script = tmp_path / "example.py"
+    script.write_text(f"path = {str(vllm_models.get('qwen3_moe').path)!r}\n" + blocks[0])
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm_cache"),
+    }
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert re.search(r"^loss \d+\.\d+, router grad \d\.\d+e[-+]\d+$", done.stdout, re.M), done.stdout[-3000:]

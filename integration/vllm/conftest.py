@@ -83,7 +83,7 @@ def served(tmp_path_factory, vllm_models) -> Iterator[tuple[Server, VllmModel]]:
     log = (directory / "server.log").open("w")
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+        "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--block-size", "32", "--enforce-eager",
         "--enable-return-routed-experts", "--seed", "0",
     ]  # fmt: skip
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -2,8 +2,8 @@
 `enable_return_routed_experts=True` (eager mode), and the same checkpoints, loaded under '<family>-replay', train
 on the rollouts through `routing_from_vllm` -> `replay_routing`, as an RLHF trainer would.
 
-Each rollout is a padded batch of three prompts of different lengths, greedy; two of the models have a dense
-layer (vLLM's routed_experts has an entry for it, all zeros), at the start and in the middle.
+Each rollout is a padded batch of four prompts of 3 to 40 tokens, greedy, and two samples of each; two of the
+models have a dense layer (vLLM's routed_experts has an entry for it, all zeros), at the start and in the middle.
 """
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def _vllm_arrays(outputs: list[dict]) -> list[torch.Tensor]:
     return [torch.as_tensor(o["routed_experts"]).long() for o in outputs]
 
 
-def _agreement(recorded: list[torch.Tensor], batch: Batch, layers: list[int]) -> torch.Tensor:
-    """[batch, routed rows, MoE layers] bool: transformers' recorded top-k set equals vLLM's for that row."""
+def _agreement(recorded: list[torch.Tensor], batch: Batch, layers: list[int]) -> list[torch.Tensor]:
+    """Per sequence, [routed rows, MoE layers] bool: transformers' recorded top-k set equals vLLM's there."""
     rows = []
     for row, array in enumerate(_vllm_arrays(batch.outputs)):
         ours = torch.stack([r[batch.routed_rows(row)] for r in recorded], dim=1)  # [rows, moe layers, k]
@@ -125,13 +125,14 @@ def test_vllm_returns_one_entry_per_decoder_layer_and_zeros_for_dense_ones(vllm_
 
 
 def test_prompt_start_returns_the_tail_of_the_full_rows(vllm_model):
-    # The second pass hits vLLM's prefix cache for every prompt: its rows are read back from the first pass's
-    # KV slots, and must still be the same.
-    for full, offset in zip(
-        vllm_model.rollouts["outputs"], vllm_model.rollouts["offset_outputs"], strict=True
-    ):
+    # This pass finds the longest prompt's first KV block in vLLM's prefix cache: those tokens are not computed
+    # again, and their rows are read back from where the first pass stored them.
+    outputs, offset_outputs = vllm_model.rollouts["outputs"], vllm_model.rollouts["offset_outputs"]
+    for full, offset in zip(outputs, offset_outputs, strict=True):
         assert offset["token_ids"] == full["token_ids"]
         np.testing.assert_array_equal(offset["routed_experts"], full["routed_experts"][PROMPT_START:])
+    assert [o["num_cached_tokens"] for o in outputs] == [0] * len(outputs)
+    assert max(o["num_cached_tokens"] for o in offset_outputs) >= 32
 
 
 def test_compiled_mode_returns_zeros_which_routing_from_vllm_rejects(vllm_models, tmp_path):
@@ -139,7 +140,7 @@ def test_compiled_mode_returns_zeros_which_routing_from_vllm_rejects(vllm_models
     # returns routed_experts of all zeros; training on them would route every token to experts 0 and 0.
     # A vLLM that fixes this fails here: then docs/vllm.md and routing.py's message want updating.
     eager = vllm_models.get("qwen3_moe")
-    compiled = run_rollouts(eager.path, tmp_path / "compiled.pkl", prompt_start=None, enforce_eager=False)
+    compiled = run_rollouts(eager.path, tmp_path / "compiled.pkl", passes=("greedy",), enforce_eager=False)
     for ours, theirs in zip(compiled["outputs"], eager.rollouts["outputs"], strict=True):
         assert ours["token_ids"] == theirs["token_ids"]
         assert ours["routed_experts"].shape == theirs["routed_experts"].shape
@@ -176,9 +177,10 @@ def _replay(model: nn.Module, batch: Batch, routing) -> tuple[torch.Tensor, list
     return output.logits.detach(), recorded.selected_experts
 
 
-@pytest.mark.parametrize("padding", ["left", "right"])
-def test_replay_trains_on_vllms_experts(vllm_model, padding, measured):
-    batch = Batch(vllm_model.rollouts["outputs"], padding)
+def _train_on_rollouts(vllm_model: VllmModel, batch: Batch) -> tuple[float, float]:
+    """One training step under vLLM's routing of `batch`, checked: the routers use vLLM's experts on every
+    token-layer row, the replayed log-probabilities are vLLM's, the logits are stock transformers' own where it
+    routes as vLLM did, and every router gets a gradient. Returns the max logprob and logit differences."""
     arrays = _vllm_arrays(batch.outputs)
     routing = layerswap.routing_from_vllm(arrays, attention_mask=batch.attention_mask)
     model = _load(vllm_model, "replay")
@@ -216,8 +218,39 @@ def test_replay_trains_on_vllms_experts(vllm_model, padding, measured):
     for name, router in layerswap.routing.moe_routers(model):
         grad = router.weight.grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
-    measured.setdefault("replay of vLLM's routing (max abs differences)", []).append(
-        f"{vllm_model.name}, {padding} padding: logprobs vs vLLM's {logprob_error:.1e}, "
+    return logprob_error, logit_error
+
+
+REPLAY_FIGURES = "replay of vLLM's routing (max abs differences)"
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_replay_trains_on_vllms_experts(vllm_model, padding, measured):
+    logprob_error, logit_error = _train_on_rollouts(
+        vllm_model, Batch(vllm_model.rollouts["outputs"], padding)
+    )
+    measured.setdefault(REPLAY_FIGURES, []).append(
+        f"{vllm_model.name}, greedy, {padding} padding: logprobs vs vLLM's {logprob_error:.1e}, "
+        f"logits vs stock transformers {logit_error:.1e}"
+    )
+
+
+def test_sampled_completions_share_their_prompts_routing_and_replay(vllm_model, measured):
+    # GRPO draws several completions per prompt: vLLM computes each prompt once (this pass finds the longest
+    # prompt's first KV block in its prefix cache, and the two samples share the rest) and returns the prompt's
+    # rows with every completion. Each completion is a sequence of the training batch.
+    greedy, sampled = vllm_model.rollouts["outputs"], vllm_model.rollouts["sampled_outputs"]
+    assert len(sampled) == 2 * len(greedy)
+    for index, o in enumerate(sampled):
+        prompt = greedy[index // 2]
+        assert o["prompt_token_ids"] == prompt["prompt_token_ids"]
+        length = len(o["prompt_token_ids"])
+        np.testing.assert_array_equal(o["routed_experts"][:length], prompt["routed_experts"][:length])
+    assert max(o["num_cached_tokens"] for o in sampled) >= 32
+    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(sampled[::2], sampled[1::2], strict=True))
+    logprob_error, logit_error = _train_on_rollouts(vllm_model, Batch(sampled, "right"))
+    measured.setdefault(REPLAY_FIGURES, []).append(
+        f"{vllm_model.name}, sampled (n=2), right padding: logprobs vs vLLM's {logprob_error:.1e}, "
         f"logits vs stock transformers {logit_error:.1e}"
     )
 
@@ -321,7 +354,7 @@ def test_checkpoint_saved_under_quant_serves_the_same_greedy_tokens(family, vllm
     assert (
         saved.keys() == original.keys()
     )  # stock names: vLLM has no other loader for them (mixtral's w1/w3/w2)
-    served = run_rollouts(tmp_path, tmp_path / "rollouts.pkl", prompt_start=None)
+    served = run_rollouts(tmp_path, tmp_path / "rollouts.pkl", passes=("greedy",))
     for ours, theirs in zip(served["outputs"], stock.rollouts["outputs"], strict=True):
         assert ours["token_ids"] == theirs["token_ids"]
         assert ours["logprobs"] == theirs["logprobs"]

@@ -12,15 +12,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
-# Prompts of different lengths (a padded batch) and what vLLM generates after them.
-PROMPTS = [
-    [1, 2, 3, 4, 5],
-    [7, 8, 9, 10, 11, 12, 13, 14, 15],
-    [21, 22, 23],
-    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
-]
+# Prompts of different lengths (a padded batch) and what vLLM generates after them; the longest fills a KV block
+# (32 tokens), which vLLM's prefix cache then holds for the later passes.
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [21, 22, 23], list(range(40, 80))]
 MAX_TOKENS = 16
-PROMPT_START = 2  # SamplingParams(routed_experts_prompt_start=...) in the second pass of each rollout
+PROMPT_START = 2  # SamplingParams(routed_experts_prompt_start=...) in the "offset" pass
+ALL_PASSES = ("greedy", "offset", "sampled")  # vllm_rollouts.py says what each is
 
 # name -> (model_type, config overrides). The first three are the suite's usual checkpoints (every layer MoE);
 # the others have a dense layer, which vLLM's routed_experts still has an entry for (all zeros).
@@ -35,14 +32,15 @@ SERVED = "qwen3_moe-dense1"  # the model the OpenAI-server test starts a server 
 
 
 def run_rollouts(
-    checkpoint: Path, out: Path, prompt_start: int | None = PROMPT_START, enforce_eager: bool = True
+    checkpoint: Path, out: Path, passes: tuple[str, ...] = ALL_PASSES, enforce_eager: bool = True
 ) -> dict:
     """vllm_rollouts.py's result for `checkpoint` (a subprocess: vLLM's engine stays out of this process).
     vLLM's compile cache goes beside `out`, not to ~/.cache/vllm."""
     spec = {
         "prompts": PROMPTS,
         "max_tokens": MAX_TOKENS,
-        "prompt_start": prompt_start,
+        "prompt_start": PROMPT_START,
+        "passes": list(passes),
         "enforce_eager": enforce_eager,
     }
     command = [sys.executable, str(HERE / "vllm_rollouts.py"), str(checkpoint), str(out), json.dumps(spec)]

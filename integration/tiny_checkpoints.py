@@ -7,10 +7,11 @@ linear: hidden 128, expert and shared-expert intermediate 128, 4 heads of 32.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from layerswap.testing.tiny import tiny_config
 
@@ -24,10 +25,16 @@ SIZES = {
 }
 
 
-def save_tiny_checkpoint(model_type: str, directory: Path, seed: int = 0) -> Path:
-    """A stock-layout checkpoint of `model_type` (what from_pretrained reads) and its tokenizer, in `directory`."""
+def save_tiny_checkpoint(model_type: str, directory: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A stock-layout checkpoint of `model_type` (what from_pretrained reads) and its tokenizer, in `directory`;
+    `overrides` change the family's tiny config (num_hidden_layers=3, mlp_only_layers=[1], ...)."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type, **SIZES)
+    # Only the sizes the family's config has: a key it lacks is still written to config.json, and vLLM reads
+    # some of them (a qwen3_moe config with shared_expert_intermediate_size gets a shared expert in vLLM 0.30,
+    # left uninitialised as the checkpoint has none: NaN logits).
+    defaults = AutoConfig.for_model(model_type)
+    sizes = {key: size for key, size in SIZES.items() if hasattr(defaults, key)}
+    config = tiny_config(model_type, **{**sizes, **overrides})
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     vocabulary = {f"t{i}": i for i in range(config.vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="t0"))

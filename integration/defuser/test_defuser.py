@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import defuser
 import layerswap
+from peak_memory import measure, record, save_larger_checkpoint
 from tiny_checkpoints import logits
 
 TOOLS = ("layerswap", "defuser")
@@ -94,3 +95,24 @@ def test_replace_fused_blocks_is_global_with_no_undo_and_disable_bundle_undoes_t
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+PEAK_SPLITS = ("stock", "layerswap", "Defuser convert_model", "Defuser replace_fused_blocks")
+
+
+def test_peak_memory_of_splitting_while_loading_and_after(tiny_checkpoint, tmp_path, measured):
+    # docs/quantizers.md's peak-memory row: a larger random checkpoint (288 MiB of fp32 experts, saved per expert
+    # as stock saves them), each load in a fresh process after a warm-up load of the tiny one
+    # (integration/peak_memory.py says how it is measured).
+    model_type, tiny = tiny_checkpoint
+    path = save_larger_checkpoint(model_type, tmp_path)
+    results = {split: measure(path, model_type, split, warmup=tiny) for split in PEAK_SPLITS}
+    record(measured, model_type, results)
+    experts = results["stock"]["expert_mib"]
+    assert all(r["expert_linears"] == 3 * 32 * 3 for split, r in results.items() if split != "stock")
+    # A stock load copies every expert out of the checkpoint into the fused tensors: its peak holds both.
+    # Splitting while loading keeps the per-expert tensors as the checkpoint holds them (views of the mmapped file).
+    for split in ("layerswap", "Defuser replace_fused_blocks"):
+        assert results[split]["peak_mib"] < results["stock"]["peak_mib"] - 0.8 * experts, split
+    # Splitting after loading starts from the stock load's peak.
+    assert results["Defuser convert_model"]["peak_mib"] > results["stock"]["peak_mib"] - 0.1 * experts

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import layerswap
 from layerswap.swaps.quant import LinearExperts
+from peak_memory import measure, record, save_larger_checkpoint
 
 CALIBRATION_IDS = [[5, 17, 3, 42]]
 # A 4-bit round trip of these random weights is ~0.1 off; uninitialised scales are ~1 off, or not finite.
@@ -241,3 +242,41 @@ def test_what_an_unquantized_save_writes(tiny_checkpoint, bundle, tmp_path):
     if not bundle:
         repack_moe(model)
         assert not _expert_linears(model)
+
+
+PEAK_SPLITS = ("stock", "layerswap", "llm-compressor linearize_moe", "llm-compressor load_quantizable_moe")
+
+
+def test_peak_memory_of_splitting_while_loading_and_after(tiny_checkpoint, tmp_path, measured):
+    # docs/quantizers.md's peak-memory row: a larger random checkpoint (288 MiB of fp32 experts, saved per expert
+    # as stock saves them), each load in a fresh process after a warm-up load of the tiny one
+    # (integration/peak_memory.py says how it is measured).
+    from llmcompressor.modeling.moe.conversion_mappings import has_linearize_load_mappings
+
+    model_type, tiny = tiny_checkpoint
+    path = save_larger_checkpoint(model_type, tmp_path)
+    results = {}
+    for split in PEAK_SPLITS:
+        try:
+            results[split] = measure(path, model_type, split, warmup=tiny)
+        except RuntimeError as error:
+            results[split] = {"error": str(error).splitlines()[-1]}
+    record(measured, model_type, results)
+    experts = results["stock"]["expert_mib"]
+    # A stock load copies every expert out of the checkpoint into the fused tensors: its peak holds both.
+    # Splitting while loading keeps the per-expert tensors as the checkpoint holds them (views of the mmapped file).
+    assert results["layerswap"]["expert_linears"] == 3 * 32 * 3
+    assert results["layerswap"]["peak_mib"] < results["stock"]["peak_mib"] - 0.8 * experts
+    # Splitting after loading starts from the stock load's peak.
+    assert results["llm-compressor linearize_moe"]["expert_linears"] == 3 * 32 * 3
+    assert results["llm-compressor linearize_moe"]["peak_mib"] > results["stock"]["peak_mib"] - 0.1 * experts
+    while_loading = results["llm-compressor load_quantizable_moe"]
+    if has_linearize_load_mappings(model_type):  # qwen2_moe, qwen3_moe
+        # Its while-loading path registers a transformers patch mapping; transformers 5.17's apply_patches then
+        # walks dir() of every transformers module, importing each, and aria's image processor imports
+        # torchvision. PyPI's torchvision is a CUDA build that cannot load beside CPU torch, so this venv has
+        # none. (layerswap's bundles wrap apply_patches: they swap the classes bound in the transformers modules
+        # already imported, and import nothing; layerswap/_hf/patching.py.)
+        assert while_loading == {"error": "ModuleNotFoundError: No module named 'torchvision'"}
+    else:  # mixtral: no load mappings, so it loads stock and runs linearize_moe
+        assert while_loading["peak_mib"] > results["stock"]["peak_mib"] - 0.1 * experts

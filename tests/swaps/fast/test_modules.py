@@ -88,25 +88,18 @@ def test_every_cpu_strategy_matches_stock_bf16(
     torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
 
 
-# The worker threads in a whole model under inference_mode (per thread, like no_grad): stock's logits.
-def test_whole_model_on_worker_threads_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LAYERSWAP_CPU_STRATEGY", "layerswap:row:2")
-    model = tiny_model("qwen2_moe")
-    scale_experts(model)
-    input_ids = tiny_input_ids()
-    register_experts_backend()
-    try:
-        with torch.inference_mode():
-            model.set_experts_implementation("eager")
-            expected = model(input_ids).logits
-            model.set_experts_implementation("layerswap")
-            got = model(input_ids).logits
-    finally:
-        unregister_experts_backend()
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
-def test_whole_model_with_layerswap_backend_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+# The whole model through the layerswap backend gives eager's logits: as calibrated under no_grad, and on the
+# worker threads under inference_mode (per thread, like no_grad, so the workers must take the caller's).
+@pytest.mark.parametrize(
+    "mode, strategy",
+    [("no_grad", None), ("inference_mode", "layerswap:row:2")],
+    ids=["calibrated", "workers"],
+)
+def test_whole_model_with_layerswap_backend_matches_eager(
+    monkeypatch: pytest.MonkeyPatch, mode: str, strategy: str | None
+) -> None:
+    if strategy is not None:
+        monkeypatch.setenv("LAYERSWAP_CPU_STRATEGY", strategy)
     calls = []
     real_fused_moe = fused_experts.fused_moe
     monkeypatch.setattr(
@@ -117,7 +110,7 @@ def test_whole_model_with_layerswap_backend_matches_eager(monkeypatch: pytest.Mo
     input_ids = tiny_input_ids()
     register_experts_backend()
     try:
-        with torch.no_grad():
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
             model.set_experts_implementation("eager")
             expected = model(input_ids).logits
             model.set_experts_implementation("layerswap")

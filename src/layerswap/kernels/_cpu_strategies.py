@@ -5,8 +5,6 @@
 - `stock`: the computation of transformers' `grouped_mm` experts backend, op for op (one sort, one gather,
   torch's grouped GEMM over every expert, one unpermute and a sum over top_k), so picking it costs nothing
   against stock.
-- `eager`: the computation of transformers' `eager` experts backend, op for op (one gather, two GEMMs and one
-  index_add per hit expert): the other stock backend, so picking it costs nothing against stock either.
 - `layerswap`: `fused_moe_reference`, the per-expert path, each expert on the engine (`torch_moe.EXPERT_OPS`:
   grouped GEMM, GEMV, `x @ W.T` or weight-major) that this machine measured fastest for its row count
   (`plan.ops`; empty: the defaults measured on AVX-512/AMX CPUs, where oneDNN's weight-major bf16 GEMM
@@ -142,35 +140,6 @@ def stock(
     return weighted[inv_perm].view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden_states.dtype)
 
 
-def eager(
-    hidden_states: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    act: Act,
-    plan: Plan,
-) -> torch.Tensor:
-    """transformers' eager experts forward for group-A experts, op for op: each hit expert gathers its tokens,
-    runs its two GEMMs and adds its weighted rows into the output (ids >= E are never hit). On some CPUs it beats
-    `stock` at large batches, where the grouped GEMM's whole-batch intermediates no longer stay in cache."""
-    num_experts = gate_up_proj.shape[0]
-    final = torch.zeros_like(hidden_states)
-    index = top_k_index.clamp(max=num_experts)  # every expert-parallel sentinel into one class, dropped next
-    expert_mask = torch.nn.functional.one_hot(index, num_classes=num_experts + 1)[..., :num_experts]
-    expert_mask = expert_mask.permute(2, 1, 0)
-    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in expert_hit:
-        expert = expert_idx[0]
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        current_state = hidden_states[token_idx].to(gate_up_proj.dtype)
-        gate, up = torch.nn.functional.linear(current_state, gate_up_proj[expert]).chunk(2, dim=-1)
-        current = torch.nn.functional.linear(act(gate) * up, down_proj[expert])
-        current = current * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, current.to(final.dtype))
-    return final
-
-
 def layerswap(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -299,7 +268,6 @@ def upcast(
 
 STRATEGIES: dict[str, Callable[..., torch.Tensor]] = {
     "stock": stock,
-    "eager": eager,
     "layerswap": layerswap,
     "upcast": upcast,
 }

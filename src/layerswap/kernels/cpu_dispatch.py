@@ -7,20 +7,18 @@ is a scalar-speed loop and converting each expert's weights to fp32 in cache is 
 expert on. So for each shape the first no-grad CPU call measures which engine (`torch_moe.EXPERT_OPS`) runs
 one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16/fp16 from how many rows
 `upcast` pays (`_crossover_plan`); then for each (dtype, token-count bucket, shape) a short calibration runs
-each candidate strategy on a slice of the real problem (the bucket's routing restricted to a few experts,
-rotating over the experts so their weights come from memory), taking turns call by call so that load from
-other processes hits every candidate alike. The candidates: `stock` and `eager` (the computations of stock
-transformers' `grouped_mm` and `eager` backends), `layerswap` with the measured engines, in this thread and,
-with several intra-op threads, split over single-threaded worker threads, and for bf16/fp16 `upcast`. The
-faster stock computation is the reference, and anything else wins only by a margin over it (`_MARGIN`), so
-the worst case is stock's speed. From 256 tokens on, the slice is the whole problem (up to 4096 routed rows),
-which makes those calibrations take 1-2 s, once per machine, shape and bucket. Decisions are cached in memory
-and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread count, and the
-strategy set's version.
+each candidate strategy (`stock`, whose computation is stock transformers' `grouped_mm`, `layerswap` with the
+measured engines, in this thread and, with several intra-op threads, split over single-threaded worker
+threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few
+experts, rotating over the experts so their weights come from memory), taking turns call by call so that load
+from other processes hits every candidate alike.
+The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. Decisions are
+cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
+count, and the strategy set's version.
 
 Environment variables:
 - LAYERSWAP_CPU_CALIBRATION=0: never measure; capability rules decide (`rule_plan`), no cache is read or written.
-- LAYERSWAP_CPU_STRATEGY=stock|eager|layerswap[:engine[:workers]]|upcast[:min_rows]: force one strategy (tests,
+- LAYERSWAP_CPU_STRATEGY=stock|layerswap[:engine[:workers]]|upcast[:min_rows]: force one strategy (tests,
   benchmarks, bug reports); `layerswap:row` runs every expert on one engine (grouped, mv, row or wm),
   `layerswap:row:2` on two single-threaded worker threads (`_workers`).
 - LAYERSWAP_CACHE_DIR: the cache directory (default $XDG_CACHE_HOME/layerswap, else ~/.cache/layerswap).
@@ -66,7 +64,7 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 ENV_CACHE_DIR = "LAYERSWAP_CACHE_DIR"
 
 # Bump when a strategy's implementation changes, so decisions measured on the old code are not reused.
-STRATEGY_SET_VERSION = 3  # 2: per-row-count engines in `layerswap`; 3: `eager`, full-size large buckets
+STRATEGY_SET_VERSION = 2  # 2: per-row-count engines in `layerswap`
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -82,11 +80,6 @@ _CROSSOVER_ROWS = (2, 4, 8)
 _ENGINE_ROWS = tuple(1 << c for c in range(torch_moe.ROW_CLASSES))  # one row count per class: 1, 2, 4, ... 64
 _BLOCK_CHOICES = (1 << 20, 8 << 20)
 _NEVER = 1 << 30  # min_rows that no expert reaches
-_FULL_SIZE_BUCKET = 256  # from this token bucket on, calibrate on up to _FULL_SIZE_ROWS routed rows
-_FULL_SIZE_ROWS = 4096
-# Stock transformers' own computations: the calibration's reference is the faster of the two, and either is
-# taken over the other without a margin (picking one costs nothing against stock).
-_STOCK_COMPUTATIONS = ("stock", "eager")
 
 _FLAGS_THAT_MATTER = (
     "avx2",
@@ -593,15 +586,10 @@ def _calibration_problem(
 
 def _window(bucket: int, num_experts: int, top_k: int) -> int:
     """How many experts a calibration round covers: all of them at decode, else about 8 active experts and
-    at most ~64 rows of work, so that a round stays in the tens of milliseconds; from `_FULL_SIZE_BUCKET`
-    tokens on, up to `_FULL_SIZE_ROWS` rows (the whole problem at 256-512 tokens): there whole-batch effects
-    decide (the grouped GEMM's intermediates for thousands of rows leave the cache; eager's per expert do not),
-    and a slice of a few experts would not show them."""
+    at most ~64 rows of work, so that a round stays in the tens of milliseconds."""
     k = min(top_k, num_experts)
-    rows_per_expert = bucket * k / num_experts
-    if bucket >= _FULL_SIZE_BUCKET:
-        return max(1, min(num_experts, math.ceil(_FULL_SIZE_ROWS / max(rows_per_expert, 1.0))))
     expected_active = num_experts * (1 - (1 - k / num_experts) ** bucket)
+    rows_per_expert = bucket * k / num_experts
     by_active = math.ceil(num_experts * 8 / max(expected_active, 1e-9))
     by_rows = math.ceil(64 / max(rows_per_expert, 1.0))
     return max(1, min(num_experts, by_active, by_rows))
@@ -638,26 +626,20 @@ def _calibrate_bucket(
             {n: call(p) for n, p in by_name.items()}, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S, bucket
         )
     medians = {name: _median(t) for name, t in times.items() if t}
-
-    def ratio(values: list[float], reference: list[float]) -> float:
-        # Two estimates that noise moves differently, and a candidate must win by both: the median of its
-        # ratios to the reference's call of the same round (load that hits a round hits both), and the ratio of
-        # the fastest calls (what is left when the load comes in spikes, as on a shared machine).
-        paired = _median([t / r for t, r in zip(values, reference, strict=False)])
-        return max(paired, min(values) / min(reference[: len(values)]))
-
-    reference = "stock"
-    if times.get("eager") and ratio(times["eager"], times["stock"]) < 1.0:
-        reference = "eager"
-    best, best_ratio = reference, 1.0
+    stock_times = times["stock"]
+    best, best_ratio = "stock", 1.0
     for name, values in times.items():
-        if name in _STOCK_COMPUTATIONS or not values:
+        if name == "stock" or not values:
             continue
-        candidate_ratio = ratio(values, times[reference])
-        if candidate_ratio < best_ratio:
-            best, best_ratio = name, candidate_ratio
+        # Two estimates that noise moves differently, and the candidate must win by both: the median of its
+        # ratios to stock's call of the same round (load that hits a round hits both), and the ratio of the
+        # fastest calls (what is left when the load comes in spikes, as on a shared machine).
+        paired = _median([t / s for t, s in zip(values, stock_times, strict=False)])
+        ratio = max(paired, min(values) / min(stock_times[: len(values)]))
+        if ratio < best_ratio:
+            best, best_ratio = name, ratio
     if best_ratio > _MARGIN:
-        best = reference
+        best = "stock"
     chosen = by_name[best]
     return replace(chosen, source="calibrated"), medians
 
@@ -719,11 +701,7 @@ def _plan_for(
         if not _can_measure(hidden_states, gate_up_proj, down_proj, top_k_index):
             return rule_plan(dtype)
         act = resolve_activation(activation)
-        candidates = [
-            Plan("stock"),
-            Plan("eager"),
-            _engines(cache, shape_key, gate_up_proj, down_proj, act, workers=1),
-        ]
+        candidates = [Plan("stock"), _engines(cache, shape_key, gate_up_proj, down_proj, act, workers=1)]
         threads = torch.get_num_threads()
         if threads > 1:  # whole experts per core, one thread each, instead of every GEMM split over the cores
             candidates.append(_engines(cache, shape_key, gate_up_proj, down_proj, act, workers=threads))

@@ -109,6 +109,17 @@ def _grouped_or_loop(rows: torch.Tensor, weights_t: torch.Tensor, offsets: torch
     return out
 
 
+def grouped_expert_mlp(
+    rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert: int, act: Act
+) -> torch.Tensor:
+    """One expert's MLP on `rows` through the grouped GEMM stock runs (a group of one): what an expert costs
+    there, for the calibration to weigh against the other engines."""
+    offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
+    one = slice(expert, expert + 1)
+    gate, up = _grouped_or_loop(rows, gate_up_proj[one].transpose(1, 2), offsets).chunk(2, dim=-1)
+    return _grouped_or_loop(act(gate) * up, down_proj[one].transpose(1, 2), offsets)
+
+
 def stock(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,

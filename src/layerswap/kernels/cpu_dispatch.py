@@ -1,8 +1,8 @@
 """Which CPU strategy runs the fused-MoE experts, chosen per machine by measurement.
 
 The fastest way to run MoE experts on a CPU depends on the CPU: on a Sapphire Rapids (AMX), oneDNN's
-weight-major bf16 GEMM streams at bandwidth; on an AMD EPYC with AVX512-BF16 the same call streams at 11 GB/s
-where `x @ W.T` reaches 15-18 for 1-8 rows; on an AVX2-only CPU (AMD Zen 2/3, older Xeons) torch's bf16 GEMM
+weight-major bf16 GEMM streams at bandwidth; on an AMD EPYC with AVX512-BF16 (one thread) the same call
+streams at 11 GB/s where `x @ W.T` reaches 15-18 for 1-8 rows; on an AVX2-only CPU (AMD Zen 2/3, older Xeons) torch's bf16 GEMM
 is a scalar-speed loop and converting each expert's weights to fp32 in cache is 2-4x faster from ~4 rows per
 expert on. So for each shape the first no-grad CPU call measures which engine (`torch_moe.EXPERT_OPS`) runs
 one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16/fp16 from how many rows
@@ -436,16 +436,10 @@ def _crossover_plan(
     )
 
     def direct(m: int) -> Callable[[int], object]:
-        offsets = torch.tensor([m], dtype=torch.int32)
-
-        def call(i: int) -> object:
-            e = i % num_experts  # a different expert per call: its weights come from memory
-            gate, up = strategies._grouped_or_loop(
-                inputs[m], gate_up_proj[e : e + 1].transpose(1, 2), offsets
-            ).chunk(2, dim=-1)
-            return strategies._grouped_or_loop(act(gate) * up, down_proj[e : e + 1].transpose(1, 2), offsets)
-
-        return call
+        # A different expert per call: its weights come from memory.
+        return lambda i: strategies.grouped_expert_mlp(
+            inputs[m], gate_up_proj, down_proj, i % num_experts, act
+        )
 
     def converted(m: int, block: int) -> Callable[[int], object]:
         out = torch.empty(m, hidden, dtype=torch.float32)
@@ -503,15 +497,12 @@ def _engines_plan(
 
     def engine(op: str, rows: torch.Tensor, stride: int) -> Callable[[int], object]:
         out = torch.empty_like(rows)
-        offsets = torch.tensor([rows.shape[0]], dtype=torch.int32)
 
         def call(i: int) -> object:
             e = (i * stride) % num_experts
-            if op != "grouped":
-                return torch_moe._expert_mlp(rows, gate_up_proj[e], down_proj[e], act, out=out, op=op)
-            gate_up = strategies._grouped_or_loop(rows, gate_up_proj[e : e + 1].transpose(1, 2), offsets)
-            hidden_rows = act(gate_up[:, : down_proj.shape[2]]) * gate_up[:, down_proj.shape[2] :]
-            return strategies._grouped_or_loop(hidden_rows, down_proj[e : e + 1].transpose(1, 2), offsets)
+            if op == "grouped":
+                return strategies.grouped_expert_mlp(rows, gate_up_proj, down_proj, e, act)
+            return torch_moe._expert_mlp(rows, gate_up_proj[e], down_proj[e], act, out=out, op=op)
 
         return call
 

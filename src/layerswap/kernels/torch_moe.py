@@ -18,7 +18,7 @@ skinny GEMM streams its weight depends on its shape, not just its size. Measured
 Routing is sorted once, each active expert works on one contiguous slice of the gathered rows and writes
 its slice of one output buffer, and the weighted results are scattered back in fp32.
 
-Those defaults were measured on one CPU; another one orders the engines differently (on a 2-core AMD EPYC with
+Those defaults were measured on one CPU; another one orders the engines differently (on one thread of a 2-core AMD EPYC with
 AVX512-BF16, bf16 `x @ W.T` streams at 15-18 GB/s for 1-8 rows where the weight-major GEMM and `torch.mv` stay
 at 11-12). So a caller may pass `ops`, one engine per row-count class (`row_class`), which the CPU dispatch
 measures per machine (`cpu_dispatch`):
@@ -223,9 +223,11 @@ def _all_experts(
         if grouped:
             _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, grouped, expert_out)
         for e in experts:
-            if e not in grouped:
-                op = "row" if op_of[e] == "grouped" else op_of[e]  # no grouped GEMM in this torch
-                _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)
+            op = op_of[e]
+            if op == "grouped" and can_group:
+                continue  # done above, in one call
+            op = "row" if op == "grouped" else op  # no grouped GEMM in this torch
+            _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)
 
     if workers > 1:
         # An expert's cost: streaming its weights, plus its rows' FLOPs (which dominate from ~16 rows on).

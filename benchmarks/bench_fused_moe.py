@@ -49,7 +49,7 @@ import layerswap  # noqa: E402
 from layerswap.kernels import plan_for  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
 from layerswap.swaps.fast.modules import fused_experts_forward  # noqa: E402
-from machine import KERNEL_FIELDS, MACHINE_FIELDS, machine_fields, machine_label  # noqa: E402
+from machine import KERNEL_FIELDS, MACHINE_FIELDS, csv_path, machine_fields, machine_label  # noqa: E402
 
 SHAPES = {"qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B", "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
 STOCK = ("eager", "grouped_mm", "batched_mm")
@@ -556,6 +556,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-out" / "fused_moe.csv")
     args = parser.parse_args(argv)
+    args.out = csv_path(args.out, "fused_moe.csv")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -571,7 +572,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.batched_mm_limit_gib,
         args.flush_mib,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         writer.writeheader()

@@ -55,7 +55,7 @@ except ImportError:  # a checkout without `pip install -e .`
     import layerswap
 
 from layerswap.shapes import resolve_config  # noqa: E402
-from machine import MACHINE_FIELDS, RESULT_FIELDS, machine_fields, machine_label  # noqa: E402
+from machine import MACHINE_FIELDS, RESULT_FIELDS, csv_path, machine_fields, machine_label  # noqa: E402
 
 MODEL = "Qwen/Qwen1.5-MoE-A2.7B"
 PROVIDERS = ("stock", "quant", "quant+nf4", "quant+int8", "quant+torchao-int8", "fast")
@@ -394,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=HERE.parent / "bench-out" / "model.csv")
     args = parser.parse_args(argv)
+    args.out = csv_path(args.out, "model.csv")
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = Settings.quick(args.tiny) if args.quick else Settings(tiny=args.tiny)

@@ -63,3 +63,19 @@ def machine_label() -> str:
         f"{fields['cpu_model']} [{fields['cpu_flags']}], {fields['cpu_cores']} cores, "
         f"{fields['threads']} threads; torch {fields['torch']}, transformers {fields['transformers']}"
     )
+
+
+def csv_path(out: Path, default_name: str) -> Path:
+    """Where a benchmark writes its CSV, settled before any timing starts: `out` itself, or `out/default_name`
+    when `out` is a directory (or ends with a slash). Its folder is created here, so a path that cannot be
+    written stops the run at once instead of after minutes of measuring."""
+    path = out / default_name if out.is_dir() or str(out).endswith(("/", "\\")) else out
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with path.open("a"):
+            pass
+    except OSError as error:
+        raise SystemExit(
+            f"cannot write the results to {path}: {error}; pass --out with a writable path"
+        ) from None
+    return path

@@ -451,3 +451,83 @@ def test_damaged_or_foreign_cache_files_are_ignored(calibrating) -> None:
     )
     assert cpu_dispatch.PlanCache(path).get("x") is None
     os.remove(path)
+
+
+# --- experts held as separate projections (-quant's nn.Linear experts) ---------------------------------------------
+
+
+def linear_experts(num_experts=6, dtype=torch.float32, has_gate=True):
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(rows, columns):
+        return (torch.randn(rows, columns, generator=generator) * 0.2).to(dtype)
+
+    return [
+        (
+            weight(INTERMEDIATE, HIDDEN) if has_gate else None,
+            weight(INTERMEDIATE, HIDDEN),
+            weight(HIDDEN, INTERMEDIATE),
+        )
+        for _ in range(num_experts)
+    ]
+
+
+def linear_ops(experts, dtype=torch.float32):
+    shape = (len(experts), HIDDEN, INTERMEDIATE, experts[0][0] is not None)
+    return cpu_dispatch.linear_expert_ops(dtype, shape, lambda: experts, resolve_activation("silu"))
+
+
+# What is measurably faster per row-count class; nn.Linear's own engine ("row") unless beaten by the margin.
+@pytest.mark.parametrize("slow", ["row", "wm"])
+def test_linear_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow: str) -> None:
+    real = torch_moe.linear_expert_mlp
+
+    def expert_mlp(*args):
+        if args[-1] == slow:
+            time.sleep(0.003)
+        return real(*args)
+
+    monkeypatch.setattr(torch_moe, "linear_expert_mlp", expert_mlp)
+    ops = linear_ops(linear_experts())
+    assert len(ops) == ROW_CLASSES and slow not in ops
+    assert set(ops) <= set(torch_moe.LINEAR_EXPERT_OPS) and ops[1:].count("mv") == 0  # mv: one row only
+    plans = json.loads(cpu_dispatch.cache_path().read_text())["plans"]
+    key = f"float32|E6|K0|H{HIDDEN}|I{INTERMEDIATE}|threads{torch.get_num_threads()}|linear-engines"
+    assert tuple(plans[key]["ops"]) == ops
+
+    cpu_dispatch.clear_memory_cache()  # a new process reads the decision back, measuring nothing
+    monkeypatch.setattr(cpu_dispatch, "_fastest_engines", lambda *a: pytest.fail("measured again"))
+    assert linear_ops(linear_experts()) == ops
+
+
+def test_linear_engine_ties_keep_nn_linears_own(calibrating, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_dispatch, "_median", lambda values: 1.0)  # every engine equally fast
+    assert linear_ops(linear_experts(has_gate=False)) == cpu_dispatch.ALL_ROW
+
+
+@pytest.mark.parametrize(
+    "forced, ops",
+    [
+        ("stock", ("row",) * ROW_CLASSES),
+        ("upcast", ("row",) * ROW_CLASSES),
+        ("layerswap:wm", ("wm",) * ROW_CLASSES),
+        ("layerswap:mv", ("mv",) * ROW_CLASSES),
+        ("layerswap:grouped", ("row",) * ROW_CLASSES),  # no grouped GEMM over separate weights
+    ],
+)
+def test_linear_engines_follow_a_forced_strategy(calibrating, monkeypatch, forced: str, ops) -> None:
+    monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, forced)
+    monkeypatch.setattr(cpu_dispatch, "_fastest_engines", lambda *a: pytest.fail("measured"))
+    assert linear_ops(linear_experts()) == ops
+
+
+def test_linear_engines_are_nn_linears_own_when_calibration_is_off_or_impossible(
+    calibrating, monkeypatch
+) -> None:
+    monkeypatch.setattr(cpu_dispatch, "_fastest_engines", lambda *a: pytest.fail("measured"))
+    monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "0")
+    assert linear_ops(linear_experts()) == cpu_dispatch.ALL_ROW
+    monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "1")
+    meta = [tuple(t.to("meta") for t in weights) for weights in linear_experts()]
+    assert linear_ops(meta) == cpu_dispatch.ALL_ROW
+    assert not any(calibrating.iterdir())

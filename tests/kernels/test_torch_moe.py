@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 from transformers import Qwen2MoeConfig
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
@@ -268,3 +269,37 @@ def test_kernels_work_without_triton() -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# Experts held as three separate projections (-quant's nn.Linear experts): every engine against what the three
+# nn.Linear calls compute ("row" is exactly that). 1 row: the GEMV; 5 and 40: uneven skinny GEMMs.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("op", reference.LINEAR_EXPERT_OPS)
+@pytest.mark.parametrize("has_gate", [True, False], ids=["gated", "no_gate"])
+def test_each_linear_expert_engine_matches_nn_linear(
+    op: str, rows: int, dtype: torch.dtype, has_gate: bool
+) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    hidden, intermediate = 64, 48
+    gate, up, down = (
+        nn.Linear(hidden, intermediate, bias=False),
+        nn.Linear(hidden, intermediate, bias=False),
+        nn.Linear(intermediate, hidden, bias=False),
+    )
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    act = torch.nn.functional.silu
+    with torch.no_grad():
+        for linear in (gate, up, down):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.2)
+            linear.to(dtype)
+        want = down(act(gate(x)) * up(x)) if has_gate else down(act(up(x)))
+        got = reference.linear_expert_mlp(
+            x, gate.weight if has_gate else None, up.weight, down.weight, act, op
+        )
+    assert got.shape == want.shape and got.dtype == dtype
+    if op == "row" or (op == "mv" and rows > 1):  # nn.Linear's own computation (mv takes one row only)
+        assert torch.equal(got, want)
+    else:
+        tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)

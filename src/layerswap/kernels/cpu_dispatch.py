@@ -311,6 +311,7 @@ _caches: dict[Path, PlanCache] = {}
 # What the decision depends on; the cache directory only says where it is kept (clear_memory_cache() rereads).
 _ENV_THAT_MATTERS = (ENV_STRATEGY, ENV_CALIBRATION)
 _memo: dict[tuple, Plan] = {}
+_linear_memo: dict[tuple, tuple[str, ...]] = {}  # linear_expert_ops' decisions
 
 
 def _cache() -> PlanCache:
@@ -326,6 +327,7 @@ def clear_memory_cache() -> None:
     with _lock:
         _caches.clear()
         _memo.clear()
+        _linear_memo.clear()
 
 
 # --- rules and forced plans -----------------------------------------------------------------------------------
@@ -483,15 +485,43 @@ def _crossover_plan(
     return Plan("upcast", min_rows=min_rows, block_bytes=block, source="calibrated"), medians
 
 
+def _fastest_engines(
+    ops: Sequence[str],
+    reference: str,
+    engine: Callable[[str, torch.Tensor, int], Callable[[int], object]],
+    hidden: int,
+    dtype: torch.dtype,
+) -> tuple[tuple[str, ...], dict[str, float]]:
+    """The fastest of `ops` at each row-count class (1, 2, 4, ... 64 rows), timed interleaved on single experts
+    (`engine(op, rows, stride)` returns a call that runs expert `i * stride` on engine `op`, so that its weights
+    come from memory). `reference` is kept unless another engine beats it by the margin."""
+    generator = torch.Generator().manual_seed(0)
+    chosen, medians = [], {}
+    with torch.no_grad():
+        for row_class, m in enumerate(_ENGINE_ROWS):
+            rows = _random_rows(generator, m, hidden, dtype)
+            candidates = [op for op in ops if op != "mv" or m == 1]
+            calls = {
+                f"{op}@{m}": engine(op, rows, 1 + 2 * index + row_class)
+                for index, op in enumerate(candidates)
+            }
+            times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
+            timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}
+            medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
+            best = min(timed, key=timed.__getitem__)
+            if reference in timed and timed[best] > _MARGIN * timed[reference]:
+                best = reference
+            chosen.append(best)
+    return tuple(chosen), medians
+
+
 def _engines_plan(
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[Plan, dict[str, float]]:
     """For `layerswap`: the engine that runs one expert's MLP fastest at each row-count class, timed on single
-    experts of this layer (a different expert per call, so that its weights come from memory). The grouped GEMM
-    (stock's) is kept unless another engine beats it by the margin: on a tie it saves Python dispatches."""
+    experts of this layer. The grouped GEMM (stock's) is kept unless another engine beats it by the margin: on a
+    tie it saves Python dispatches."""
     num_experts, _, hidden = gate_up_proj.shape
-    dtype = gate_up_proj.dtype
-    generator = torch.Generator().manual_seed(0)
     grouped = torch_moe._CPU_GROUPED_MM
     ops = tuple(op for op in torch_moe.EXPERT_OPS if grouped or op != "grouped")
 
@@ -506,23 +536,8 @@ def _engines_plan(
 
         return call
 
-    chosen, medians = [], {}
-    with torch.no_grad():
-        for row_class, m in enumerate(_ENGINE_ROWS):
-            rows = _random_rows(generator, m, hidden, dtype)
-            candidates = [op for op in ops if op != "mv" or m == 1]
-            calls = {
-                f"{op}@{m}": engine(op, rows, stride=1 + 2 * index + row_class)
-                for index, op in enumerate(candidates)
-            }
-            times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
-            timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}
-            medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
-            best = min(timed, key=timed.__getitem__)
-            if "grouped" in timed and timed[best] > _MARGIN * timed["grouped"]:
-                best = "grouped"
-            chosen.append(best)
-    return Plan("layerswap", ops=tuple(chosen), source="calibrated"), medians
+    chosen, medians = _fastest_engines(ops, "grouped", engine, hidden, gate_up_proj.dtype)
+    return Plan("layerswap", ops=chosen, source="calibrated"), medians
 
 
 def _engines(
@@ -708,6 +723,81 @@ def _plan_for(
         logger.debug("layerswap: CPU plan for %s: %s (median ms %s)", key, plan.describe(), medians)
         cache.put(key, plan, medians, persist=not _machine_busy())
         return plan
+
+
+# --- experts held as separate projections (-quant) ---------------------------------------------------------------
+
+# Expert weights as (gate or None, up, down), [I, H], [I, H], [H, I], one tuple per expert.
+ExpertWeights = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]
+ALL_ROW = ("row",) * torch_moe.ROW_CLASSES  # what nn.Linear itself runs, at every row count
+
+
+def linear_expert_ops(
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, bool],
+    experts: Callable[[], Sequence[ExpertWeights]],
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[str, ...]:
+    """The engine (`torch_moe.LINEAR_EXPERT_OPS`) per row-count class for a no-grad CPU call of experts held as
+    separate plain projections (`-quant`'s nn.Linear experts), given every such expert of the layer: measured
+    once per shape (num_experts, hidden, intermediate, has_gate) and machine like the fused experts' engines
+    (`experts` is only called to measure), with what nn.Linear itself runs (`x @ W.T`,
+    "row") kept unless another engine beats it by the margin, so the worst case is nn.Linear's own speed.
+    All "row" where calibration is off, a strategy other than `layerswap` is forced, or nothing can be measured;
+    `LAYERSWAP_CPU_STRATEGY=layerswap:<engine>` forces that engine ("grouped" runs as "row")."""
+    memo_key = (
+        tuple(os.environ.get(name) for name in _ENV_THAT_MATTERS),
+        dtype,
+        shape,
+        torch.get_num_threads(),
+    )
+    ops = _linear_memo.get(memo_key)
+    if ops is None:
+        ops, final = _linear_expert_ops(dtype, experts, act)
+        if final:  # "row" stands in until a measurement can run
+            _linear_memo[memo_key] = ops
+    return ops
+
+
+def _linear_expert_ops(
+    dtype: torch.dtype,
+    weights: Callable[[], Sequence[ExpertWeights]],
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[tuple[str, ...], bool]:
+    """The engines, and whether that is the decision for this process (False: ask again next call)."""
+    forced = forced_plan()
+    if forced is not None:
+        if forced.strategy != "layerswap":
+            return ALL_ROW, True
+        ops = forced.ops or torch_moe.default_ops(dtype)
+        return tuple(op if op in torch_moe.LINEAR_EXPERT_OPS else "row" for op in ops), True
+    if dtype not in _CALIBRATED_DTYPES or not calibration_enabled():
+        return ALL_ROW, True
+    experts = weights()
+    if not experts:
+        return ALL_ROW, False
+    gate, up, _ = experts[0]
+    intermediate, hidden = up.shape
+    if not _can_measure(*(t for projections in experts for t in projections if t is not None)):
+        return ALL_ROW, False
+    suffix = "" if gate is not None else "-nogate"
+    key = f"{_shape_key(dtype, len(experts), 0, hidden, intermediate)}|linear-engines{suffix}"
+    with _lock:
+        cache = _cache()
+        plan = cache.get(key)
+        if plan is None:
+
+            def engine(op: str, rows: torch.Tensor, stride: int) -> Callable[[int], object]:
+                def call(i: int) -> object:
+                    return torch_moe.linear_expert_mlp(rows, *experts[(i * stride) % len(experts)], act, op)
+
+                return call
+
+            ops, medians = _fastest_engines(torch_moe.LINEAR_EXPERT_OPS, "row", engine, hidden, dtype)
+            plan = Plan("layerswap", ops=ops, source="calibrated")
+            logger.debug("layerswap: CPU engines for %s: %s (median ms %s)", key, ops, medians)
+            cache.put(key, plan, medians, persist=not _machine_busy())
+        return plan.ops, True
 
 
 def cpu_fused_moe(

@@ -158,6 +158,39 @@ def _expert_mlp(
     return torch.mm(hidden, down.t()) if out is None else torch.mm(hidden, down.t(), out=out)
 
 
+# The engines of an expert held as three separate projections (`-quant`'s nn.Linear experts): "row" is what
+# nn.Linear itself computes, `x @ W.T`, so it is the reference the others must beat.
+LINEAR_EXPERT_OPS = ("row", "mv", "wm")
+
+
+def linear_expert_mlp(
+    rows: torch.Tensor,
+    gate: torch.Tensor | None,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    op: str,
+) -> torch.Tensor:
+    """down(act(gate(rows)) * up(rows)) (down(act(up(rows))) without a gate) for one expert whose projections are
+    separate weights (`gate`, `up` [I, H], `down` [H, I], no bias): [m, H] -> [m, H], on engine `op` of
+    `LINEAR_EXPERT_OPS`. "row" computes exactly what the three nn.Linear calls compute; "mv" (one row) and
+    "wm" (weight-major, `(W @ x.T).T`) are the engines `_expert_mlp` runs on fused weights."""
+    if op == "mv" and rows.shape[0] == 1:
+        vector = rows[0]
+        up_v = torch.mv(up, vector)
+        hidden_v = act(up_v) if gate is None else act(torch.mv(gate, vector)) * up_v
+        return torch.mv(down, hidden_v)[None]
+    if op == "wm":
+        up_t = _weight_major_mm(up, rows, differentiable=False)
+        hidden_t = (
+            act(up_t) if gate is None else act(_weight_major_mm(gate, rows, differentiable=False)) * up_t
+        )
+        return _weight_major_mm(down, hidden_t.t(), differentiable=False).t()
+    up_out = F.linear(rows, up)
+    hidden = act(up_out) if gate is None else act(F.linear(rows, gate)) * up_out
+    return F.linear(hidden, down)
+
+
 def _gemv_experts_grouped(
     sorted_rows: torch.Tensor,
     gate_up_proj: torch.Tensor,

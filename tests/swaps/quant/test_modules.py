@@ -316,3 +316,106 @@ def test_identity_experts_pass_their_rows_through_weighted():
         linear(hidden, index, weights), stock(hidden, index, weights), atol=1e-5, rtol=1e-5
     )
     torch.testing.assert_close(linear(hidden, index, weights)[0], hidden[0] * weights[0].sum())
+
+
+# --- no-grad CPU calls on the measured engines ---------------------------------------------------------------------
+
+# The engines a no-grad CPU call may run plain experts on instead of their three nn.Linear calls; the machine's
+# measurement picks among them (tests/kernels/test_cpu_dispatch.py), here each one is forced.
+ENGINE_FAMILIES = [f for f in MOE_FAMILIES if f.is_stock_layout][:3]
+
+
+@pytest.fixture
+def forced_engine(monkeypatch):
+    from layerswap.kernels import cpu_dispatch
+
+    def force(engine: str) -> None:
+        monkeypatch.setenv(cpu_dispatch.ENV_STRATEGY, f"layerswap:{engine}")
+        cpu_dispatch.clear_memory_cache()
+
+    yield force
+    cpu_dispatch.clear_memory_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("engine", ["mv", "wm"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES, ids=lambda f: f.model_type)
+def test_no_grad_calls_on_each_engine_match_stock(family, engine, dtype, forced_engine):
+    forced_engine(engine)
+    stock, linear, _ = _stock_and_linear(family)
+    stock, linear = stock.to(dtype), linear.to(dtype)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for tokens in (1, 11):  # one row per expert (the GEMV), then several
+        hidden = torch.randn(tokens, linear.hidden_dim).to(dtype)
+        index, weights = _routing(tokens, linear.num_experts, 2, seed=tokens)
+        with torch.no_grad():
+            got, want = linear(hidden, index, weights), stock(hidden, index, weights)
+        torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def _engine_calls(monkeypatch):
+    from layerswap.kernels import torch_moe
+
+    calls = []
+    real = torch_moe.linear_expert_mlp
+    monkeypatch.setattr(torch_moe, "linear_expert_mlp", lambda *a: calls.append(a[-1]) or real(*a))
+    return calls
+
+
+# Anything that observes or replaces a projection's call (a calibration hook, a quantized or LoRA layer, an
+# offloading hook) keeps its expert on the module path, and so do gradient-tracking calls: only plain, unobserved
+# experts of a no-grad call take another engine.
+def test_observed_or_quantized_experts_and_gradient_calls_run_their_modules(forced_engine, monkeypatch):
+    forced_engine("wm")
+    calls = _engine_calls(monkeypatch)
+    family = ENGINE_FAMILIES[0]
+    _, linear, _ = _stock_and_linear(family)
+    names = linear.expert_names
+    tokens = 16
+    hidden = torch.randn(tokens, linear.hidden_dim)
+    index = torch.arange(tokens * 2).remainder(linear.num_experts).view(tokens, 2)  # every expert gets rows
+    weights = torch.rand(tokens, 2)
+
+    linear(hidden, index, weights)  # gradients tracked: every expert through its modules
+    assert calls == []
+
+    seen = []
+    getattr(linear[0], names.up).register_forward_hook(
+        lambda module, args, output: seen.append(args[0].shape[0])
+    )
+
+    class QuantizedLinear(
+        nn.Linear
+    ):  # what a quantizer's replacement looks like to this code: not exactly nn.Linear
+        pass
+
+    quantized = QuantizedLinear(linear.hidden_dim, linear.intermediate_dim, bias=False)
+    setattr(linear[1], names.gate, quantized)
+    quantized_calls = []
+    quantized.forward = lambda x: quantized_calls.append(x.shape[0]) or nn.Linear.forward(quantized, x)
+    with torch.no_grad():
+        linear(hidden, index, weights)
+    rows = index.reshape(-1).bincount(minlength=linear.num_experts)
+    assert seen == [rows[0].item()] and quantized_calls == [rows[1].item()]
+    assert len(calls) == linear.num_experts - 2  # every other expert on the forced engine
+
+    calls.clear()
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        with torch.no_grad():
+            linear(hidden, index, weights)
+    finally:
+        handle.remove()
+    assert calls == []  # a global hook sees every module call
+
+
+def test_unforced_calls_without_calibration_run_nn_linear_bitwise(monkeypatch):
+    # tests/conftest.py turns calibration off: then no-grad calls are exactly the module path, bit for bit.
+    calls = _engine_calls(monkeypatch)
+    _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    hidden = torch.randn(9, linear.hidden_dim)
+    index, weights = _routing(9, linear.num_experts, 2)
+    with torch.no_grad():
+        got = linear(hidden, index, weights)
+    assert calls == []
+    assert torch.equal(got, linear(hidden, index, weights).detach())

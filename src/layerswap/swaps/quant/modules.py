@@ -28,6 +28,7 @@ from ...errors import (
     LayerswapWarning,
     UnsupportedTransformersError,
 )
+from ...kernels import cpu_dispatch, torch_moe
 from ...quantized import is_quantized_linear
 from .._stock_layout import ExpertNames, stock_experts_layout
 from .all_experts import DEFAULT_CHUNK_SIZE, pipeline_requests_all_experts
@@ -97,6 +98,31 @@ class ExpertMLP(nn.Module):
             hidden = self.act_fn(gate) * up if self.stock_gate is None else self.stock_gate(gate, up)
         output = getattr(self, self.names.down)(hidden)
         return output if self.post_norm is None else self.post_norm(output)
+
+    def plain_projections(self, dtype: torch.dtype) -> cpu_dispatch.ExpertWeights | None:
+        """(gate or None, up, down) weights where this expert computes exactly down(act(gate(x)) * up(x)) (or
+        down(act(up(x)))) through plain nn.Linear layers without bias, in `dtype`, on the CPU, with no hook or
+        replaced forward on it or them: then the MLP may run on another engine than nn.Linear's own. None
+        where anything could observe or change the calls (a quantized, LoRA or offloaded layer, a calibration
+        hook, a parametrization): those always run module by module."""
+        if self.stock_gate is not None or self.post_norm is not None or _observed(self):
+            return None
+        names = (self.names.gate,) if self.has_gate else ()
+        weights = []
+        for name in (*names, self.names.up, self.names.down):
+            linear = getattr(self, name)
+            if type(linear) is not nn.Linear or linear.bias is not None or _observed(linear):
+                return None
+            weight = linear.weight
+            if type(weight) is not nn.Parameter or weight.dtype != dtype or weight.device.type != "cpu":
+                return None
+            weights.append(weight)
+        return (None, *weights) if not self.has_gate else tuple(weights)
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether a hook, or a forward set on the instance (accelerate's offloading), would see this module's call."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
 class RemoteExpert(nn.Module):
@@ -326,19 +352,54 @@ class LinearExperts(nn.ModuleList):
         # One gather of the routed rows, grouped by expert; each expert reads a contiguous slice of it, and one
         # index_add_ sums the weighted outputs per token in the same (expert) order as a per-expert add would.
         rows = hidden_states[token_of_pair]
+        chunk_size = self._all_experts_chunk_size()
+        ops = self._cpu_engines(rows) if chunk_size is None else None
         outputs = []
         start = 0
         for expert_index, count in enumerate(counts[: self.num_experts]):
             if count:
-                outputs.append(self._expert(expert_index)(rows[start : start + count]))
+                expert = self._expert(expert_index)
+                piece = rows[start : start + count]
+                op = "row" if ops is None else ops[torch_moe.row_class(count)]
+                plain = op != "row" and isinstance(expert, ExpertMLP)
+                weights = expert.plain_projections(piece.dtype) if plain else None
+                if weights is None:
+                    outputs.append(expert(piece))
+                else:
+                    outputs.append(torch_moe.linear_expert_mlp(piece, *weights, expert.act_fn, op))
             start += count
         if outputs:
             weighted = torch.cat(outputs) * weight_of_pair
             output.index_add_(0, token_of_pair, weighted.to(output.dtype))
-        chunk_size = self._all_experts_chunk_size()
         if chunk_size is not None:
             self._run_experts_on_unrouted_tokens(hidden_states, top_k_index, chunk_size)
         return output
+
+    def _cpu_engines(self, rows: torch.Tensor) -> tuple[str, ...] | None:
+        """For a no-grad CPU call that nothing observes: the engine per row-count class this machine measured
+        fastest for these experts (`cpu_dispatch.linear_expert_ops`; all "row", nn.Linear's own `x @ W.T`,
+        where nothing beats it). Experts that are not plain (`ExpertMLP.plain_projections`) still run module
+        by module. None: every expert runs its modules."""
+        if (
+            torch.is_grad_enabled()
+            or rows.device.type != "cpu"
+            or torch.compiler.is_compiling()
+            or nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks
+        ):
+            return None
+        first = self._expert(0)
+        if not isinstance(first, ExpertMLP) or first.act_fn is None:
+            return None
+        act = first.act_fn
+
+        def plain_experts() -> list[cpu_dispatch.ExpertWeights]:
+            held = (self._expert(i).plain_projections(rows.dtype) for i in range(self.num_experts))
+            return [weights for weights in held if weights is not None]
+
+        shape = (self.num_experts, self.hidden_dim, self.intermediate_dim, first.has_gate)
+        ops = cpu_dispatch.linear_expert_ops(rows.dtype, shape, plain_experts, act)
+        return None if ops == cpu_dispatch.ALL_ROW else ops
 
     def _all_experts_chunk_size(self) -> int | None:
         """How many unrouted tokens to run through an expert at once while all-experts calibration is asked for

@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import csv
 import gc
+import logging as pylogging
 import random
 import statistics
 import sys
@@ -263,8 +264,10 @@ def sweep(
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    # bitsandbytes warns on every int8 matmul that it casts bf16 inputs to fp16.
+    # bitsandbytes says on every int8 matmul that it casts bf16 inputs to fp16 (a warning in older releases, a
+    # log record since).
     warnings.filterwarnings("ignore", message="MatMul8bitLt")
+    pylogging.getLogger("bitsandbytes").setLevel(pylogging.ERROR)
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if "stock" not in providers:
         providers = ["stock", *providers]  # every ratio is to stock

@@ -12,7 +12,9 @@ measured engines, in this thread and, with several intra-op threads, split over 
 threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few
 experts, rotating over the experts so their weights come from memory), taking turns call by call so that load
 from other processes hits every candidate alike.
-The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. Decisions are
+The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. `-quant`'s experts,
+three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
+(`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
 count, and the strategy set's version.
 

@@ -303,3 +303,18 @@ def test_each_linear_expert_engine_matches_nn_linear(
     else:
         tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+# Real fp32 projections (>= 1M elements) take oneDNN's weight-major GEMM, which small test weights never reach.
+def test_weight_major_linear_expert_on_onednn_sized_weights() -> None:
+    generator = torch.Generator().manual_seed(0)
+    hidden, intermediate = 1024, 1024
+    gate, up = (torch.randn(intermediate, hidden, generator=generator) * 0.03 for _ in range(2))
+    down = torch.randn(hidden, intermediate, generator=generator) * 0.03
+    x = torch.randn(5, hidden, generator=generator)
+    act = torch.nn.functional.silu
+    assert gate.numel() >= reference._MKLDNN_MIN_WEIGHT_NUMEL
+    with torch.no_grad():
+        want = reference.linear_expert_mlp(x, gate, up, down, act, "row")
+        got = reference.linear_expert_mlp(x, gate, up, down, act, "wm")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

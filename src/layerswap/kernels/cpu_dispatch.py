@@ -487,16 +487,27 @@ def _crossover_plan(
     return Plan("upcast", min_rows=min_rows, block_bytes=block, source="calibrated"), medians
 
 
+def _coprime_stride(start: int, num_experts: int) -> int:
+    """The first stride from `start` on that visits every one of `num_experts` experts before repeating one."""
+    stride = start
+    while math.gcd(stride, num_experts) != 1:
+        stride += 1
+    return stride
+
+
 def _fastest_engines(
     ops: Sequence[str],
     reference: str,
     engine: Callable[[str, torch.Tensor, int], Callable[[int], object]],
+    num_experts: int,
     hidden: int,
     dtype: torch.dtype,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
     """The fastest of `ops` at each row-count class (1, 2, 4, ... 64 rows), timed interleaved on single experts
-    (`engine(op, rows, stride)` returns a call that runs expert `i * stride` on engine `op`, so that its weights
-    come from memory). `reference` is kept unless another engine beats it by the margin."""
+    (`engine(op, rows, stride)` returns a call that runs expert `i * stride % num_experts` on engine `op`; each
+    engine's stride is coprime with the expert count, so every engine cycles through all the experts and reads
+    their weights from memory, none from a warm cache). `reference` is kept unless another engine beats it by
+    the margin."""
     generator = torch.Generator().manual_seed(0)
     chosen, medians = [], {}
     with torch.no_grad():
@@ -504,7 +515,7 @@ def _fastest_engines(
             rows = _random_rows(generator, m, hidden, dtype)
             candidates = [op for op in ops if op != "mv" or m == 1]
             calls = {
-                f"{op}@{m}": engine(op, rows, 1 + 2 * index + row_class)
+                f"{op}@{m}": engine(op, rows, _coprime_stride(1 + 2 * index + row_class, num_experts))
                 for index, op in enumerate(candidates)
             }
             times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
@@ -538,7 +549,7 @@ def _engines_plan(
 
         return call
 
-    chosen, medians = _fastest_engines(ops, "grouped", engine, hidden, gate_up_proj.dtype)
+    chosen, medians = _fastest_engines(ops, "grouped", engine, num_experts, hidden, gate_up_proj.dtype)
     return Plan("layerswap", ops=chosen, source="calibrated"), medians
 
 
@@ -776,8 +787,8 @@ def _linear_expert_ops(
     if dtype not in _CALIBRATED_DTYPES or not calibration_enabled():
         return ALL_ROW, True
     experts = weights()
-    if not experts:
-        return ALL_ROW, False
+    if not experts:  # every expert quantized or observed: nothing to measure, and no need to look again
+        return ALL_ROW, True
     gate, up, _ = experts[0]
     intermediate, hidden = up.shape
     if not _can_measure(*(t for projections in experts for t in projections if t is not None)):
@@ -795,7 +806,9 @@ def _linear_expert_ops(
 
                 return call
 
-            ops, medians = _fastest_engines(torch_moe.LINEAR_EXPERT_OPS, "row", engine, hidden, dtype)
+            ops, medians = _fastest_engines(
+                torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype
+            )
             plan = Plan("layerswap", ops=ops, source="calibrated")
             logger.debug("layerswap: CPU engines for %s: %s (median ms %s)", key, ops, medians)
             cache.put(key, plan, medians, persist=not _machine_busy())

@@ -1,5 +1,6 @@
 """LinearExperts against the stock Experts module it replaces, for every family in the table."""
 
+import contextlib
 import importlib
 
 import pytest
@@ -340,8 +341,9 @@ def forced_engine(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("engine", ["mv", "wm"])
 @pytest.mark.parametrize("family", ENGINE_FAMILIES, ids=lambda f: f.model_type)
-def test_no_grad_calls_on_each_engine_match_stock(family, engine, dtype, forced_engine):
+def test_no_grad_calls_on_each_engine_match_stock(family, engine, dtype, forced_engine, monkeypatch):
     forced_engine(engine)
+    calls = _engine_calls(monkeypatch)
     stock, linear, _ = _stock_and_linear(family)
     stock, linear = stock.to(dtype), linear.to(dtype)
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
@@ -351,6 +353,7 @@ def test_no_grad_calls_on_each_engine_match_stock(family, engine, dtype, forced_
         with torch.no_grad():
             got, want = linear(hidden, index, weights), stock(hidden, index, weights)
         torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert calls and set(calls) == {engine}  # every expert took the forced engine
 
 
 def _engine_calls(monkeypatch):
@@ -362,51 +365,138 @@ def _engine_calls(monkeypatch):
     return calls
 
 
-# Anything that observes or replaces a projection's call (a calibration hook, a quantized or LoRA layer, an
-# offloading hook) keeps its expert on the module path, and so do gradient-tracking calls: only plain, unobserved
-# experts of a no-grad call take another engine.
-def test_observed_or_quantized_experts_and_gradient_calls_run_their_modules(forced_engine, monkeypatch):
-    forced_engine("wm")
-    calls = _engine_calls(monkeypatch)
-    family = ENGINE_FAMILIES[0]
-    _, linear, _ = _stock_and_linear(family)
-    names = linear.expert_names
-    tokens = 16
+def _all_experts_busy(linear, tokens=16):
     hidden = torch.randn(tokens, linear.hidden_dim)
     index = torch.arange(tokens * 2).remainder(linear.num_experts).view(tokens, 2)  # every expert gets rows
-    weights = torch.rand(tokens, 2)
+    return hidden, index, torch.rand(tokens, 2)
 
-    linear(hidden, index, weights)  # gradients tracked: every expert through its modules
-    assert calls == []
 
-    seen = []
-    getattr(linear[0], names.up).register_forward_hook(
-        lambda module, args, output: seen.append(args[0].shape[0])
-    )
+class _QuantizedLinear(nn.Linear):
+    """What a quantizer's replacement looks like to this code (quanto's QLinear): not exactly nn.Linear."""
 
-    class QuantizedLinear(
-        nn.Linear
-    ):  # what a quantizer's replacement looks like to this code: not exactly nn.Linear
+
+def _subclass(expert, names):
+    linear = getattr(expert, names.gate)
+    replacement = _QuantizedLinear(linear.in_features, linear.out_features, bias=False)
+    replacement.weight = linear.weight
+    setattr(expert, names.gate, replacement)
+
+
+def _instance_forward(expert, names):  # accelerate's offloading replaces forward on the instance
+    linear = getattr(expert, names.up)
+    linear.forward = nn.Linear.forward.__get__(linear)
+
+
+def _scales_beside_the_weight(expert, names):  # a quantizer that keeps nn.Linear and adds its scales
+    getattr(expert, names.down).register_buffer("weight_scale", torch.ones(1))
+
+
+def _parametrized(expert, names):
+    torch.nn.utils.parametrize.register_parametrization(getattr(expert, names.up), "weight", nn.Identity())
+
+
+def _tensor_subclass_weight(expert, names):  # torchao's quantized weights are tensor subclasses
+    class Subclass(torch.Tensor):
         pass
 
-    quantized = QuantizedLinear(linear.hidden_dim, linear.intermediate_dim, bias=False)
-    setattr(linear[1], names.gate, quantized)
-    quantized_calls = []
-    quantized.forward = lambda x: quantized_calls.append(x.shape[0]) or nn.Linear.forward(quantized, x)
+    linear = getattr(expert, names.gate)
+    linear.weight = nn.Parameter(linear.weight.detach().as_subclass(Subclass), requires_grad=False)
+
+
+# Anything that observes, replaces or changes a projection's call keeps its expert on the module path; the other
+# experts of the same call take the forced engine.
+OBSERVERS = {
+    "forward_hook_on_a_projection": lambda e, n: getattr(e, n.up).register_forward_hook(lambda *a: None),
+    "pre_hook_on_a_projection": lambda e, n: getattr(e, n.down).register_forward_pre_hook(lambda *a: None),
+    "hook_on_the_expert": lambda e, n: e.register_forward_hook(lambda *a: None),
+    "quantized_subclass": _subclass,
+    "forward_set_on_the_instance": _instance_forward,
+    "buffers_beside_the_weight": _scales_beside_the_weight,
+    "parametrization": _parametrized,
+    "tensor_subclass_weight": _tensor_subclass_weight,
+    "compiled_module": lambda e, n: setattr(getattr(e, n.gate), "_compiled_call_impl", lambda *a: None),
+}
+
+
+@pytest.mark.parametrize("observer", list(OBSERVERS))
+def test_an_observed_or_changed_expert_runs_its_modules(observer, forced_engine, monkeypatch):
+    forced_engine("wm")
+    calls = _engine_calls(monkeypatch)
+    _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    OBSERVERS[observer](linear[0], linear.expert_names)
+    if (
+        observer == "compiled_module"
+    ):  # its compiled call would run instead of forward: see that it is asked for
+        compiled = getattr(linear[0], linear.expert_names.gate)
+        seen = []
+        compiled._compiled_call_impl = lambda *a, **k: (
+            seen.append(a[0].shape[0]) or nn.Linear.forward(compiled, *a)
+        )
+    with torch.no_grad():
+        linear(*_all_experts_busy(linear))
+    assert len(calls) == linear.num_experts - 1  # every expert but the observed one on the forced engine
+    if observer == "compiled_module":
+        assert seen
+
+
+def test_a_hook_sees_exactly_its_experts_rows(forced_engine, monkeypatch):
+    forced_engine("wm")
+    _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    seen = []
+    getattr(linear[0], linear.expert_names.up).register_forward_hook(
+        lambda m, args, out: seen.append(args[0])
+    )
+    hidden, index, weights = _all_experts_busy(linear)
     with torch.no_grad():
         linear(hidden, index, weights)
-    rows = index.reshape(-1).bincount(minlength=linear.num_experts)
-    assert seen == [rows[0].item()] and quantized_calls == [rows[1].item()]
-    assert len(calls) == linear.num_experts - 2  # every other expert on the forced engine
+    tokens_of_expert_0 = (index == 0).any(-1).nonzero().squeeze(-1)
+    assert len(seen) == 1 and torch.equal(seen[0], hidden[tokens_of_expert_0])
 
-    calls.clear()
-    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
-    try:
-        with torch.no_grad():
-            linear(hidden, index, weights)
-    finally:
-        handle.remove()
-    assert calls == []  # a global hook sees every module call
+
+class _PassThroughMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("context", ["gradients", "global_hook", "autocast", "function_mode"])
+def test_calls_that_must_see_every_module_run_them_all(context, forced_engine, monkeypatch):
+    forced_engine("wm")
+    calls = _engine_calls(monkeypatch)
+    _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    inputs = _all_experts_busy(linear)
+    with contextlib.ExitStack() as stack:
+        if context != "gradients":
+            stack.enter_context(torch.no_grad())
+        if context == "global_hook":
+            handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+            stack.callback(handle.remove)
+        if context == "autocast":  # nn.Linear's F.linear runs in bf16 under autocast; the engines would not
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        if context == "function_mode":  # a mode that intercepts F.linear must see every call
+            stack.enter_context(_PassThroughMode())
+        linear(*inputs)
+    assert calls == []
+
+
+def test_layers_with_no_plain_expert_are_not_scanned_on_every_call(forced_engine, monkeypatch):
+    from layerswap.kernels import cpu_dispatch
+
+    monkeypatch.delenv(cpu_dispatch.ENV_STRATEGY, raising=False)
+    monkeypatch.setenv(cpu_dispatch.ENV_CALIBRATION, "1")
+    monkeypatch.setenv(cpu_dispatch.ENV_CACHE_DIR, "/nonexistent/layerswap-test-cache")  # nothing written
+    cpu_dispatch.clear_memory_cache()
+    _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    for expert in linear:
+        _subclass(expert, linear.expert_names)
+    scans = []
+    real = type(linear[0]).plain_projections
+    monkeypatch.setattr(
+        type(linear[0]), "plain_projections", lambda self, dtype: scans.append(1) or real(self, dtype)
+    )
+    with torch.no_grad():
+        for _ in range(3):
+            linear(*_all_experts_busy(linear))
+    assert len(scans) == linear.num_experts  # one look at every expert, on the first call only
 
 
 def test_unforced_calls_without_calibration_run_nn_linear_bitwise(monkeypatch):

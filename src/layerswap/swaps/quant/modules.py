@@ -111,7 +111,13 @@ class ExpertMLP(nn.Module):
         weights = []
         for name in (*names, self.names.up, self.names.down):
             linear = getattr(self, name)
-            if type(linear) is not nn.Linear or linear.bias is not None or _observed(linear):
+            if (
+                type(linear) is not nn.Linear
+                or _observed(linear)
+                or set(linear._parameters) != {"weight", "bias"}
+            ):
+                return None
+            if linear.bias is not None or linear._buffers:  # a bias, or a quantizer's scales kept beside it
                 return None
             weight = linear.weight
             if type(weight) is not nn.Parameter or weight.dtype != dtype or weight.device.type != "cpu":
@@ -121,8 +127,14 @@ class ExpertMLP(nn.Module):
 
 
 def _observed(module: nn.Module) -> bool:
-    """Whether a hook, or a forward set on the instance (accelerate's offloading), would see this module's call."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    """Whether a hook, a forward set on the instance (accelerate's offloading) or `module.compile()` would see or
+    change this module's call."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
 
 
 class RemoteExpert(nn.Module):
@@ -361,7 +373,7 @@ class LinearExperts(nn.ModuleList):
                 expert = self._expert(expert_index)
                 piece = rows[start : start + count]
                 op = "row" if ops is None else ops[torch_moe.row_class(count)]
-                plain = op != "row" and isinstance(expert, ExpertMLP)
+                plain = op != "row" and type(expert) is ExpertMLP
                 weights = expert.plain_projections(piece.dtype) if plain else None
                 if weights is None:
                     outputs.append(expert(piece))
@@ -384,12 +396,14 @@ class LinearExperts(nn.ModuleList):
             torch.is_grad_enabled()
             or rows.device.type != "cpu"
             or torch.compiler.is_compiling()
+            or torch.is_autocast_enabled("cpu")  # nn.Linear's F.linear would run in the autocast dtype
+            or torch._C._is_torch_function_mode_enabled()  # a mode that intercepts F.linear would be bypassed
             or nn.modules.module._global_forward_hooks
             or nn.modules.module._global_forward_pre_hooks
         ):
             return None
         first = self._expert(0)
-        if not isinstance(first, ExpertMLP) or first.act_fn is None:
+        if type(first) is not ExpertMLP or first.act_fn is None:
             return None
         act = first.act_fn
 

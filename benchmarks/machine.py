@@ -70,8 +70,8 @@ def csv_path(out: Path, default_name: str) -> Path:
     when `out` is a directory (or ends with a slash). Its folder is created here, so a path that cannot be
     written stops the run at once instead of after minutes of measuring."""
     path = out / default_name if out.is_dir() or str(out).endswith(("/", "\\")) else out
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):
             pass
     except OSError as error:

@@ -28,6 +28,20 @@ def test_fused_moe_benchmark_covers_quant_and_forced_strategies(tmp_path: Path) 
     assert plans["layerswap"] != "-" and plans["quant"] == "-"
 
 
+# --out is settled before any timing: a directory gets the default file name inside it, and a path that cannot be
+# written stops the run at once with the reason, not after minutes of measuring.
+def test_benchmark_output_path_is_settled_before_timing(tmp_path: Path) -> None:
+    small = ("--shapes", "small", "--dtypes", "float32", "--tokens", "1", "--providers", "grouped_mm")
+    quick = ("--reps", "1", "--budget", "0", "--flush-mib", "0")
+    run_script("bench_fused_moe.py", *small, *quick, "--out", str(tmp_path))
+    assert read_rows(tmp_path / "fused_moe.csv")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    done = run_script("bench_fused_moe.py", *small, *quick, "--out", str(blocked / "x.csv"), check=False)
+    assert done.returncode != 0 and "cannot write the results to" in done.stderr
+    assert "fused_moe sweep" not in done.stderr  # stopped before timing anything
+
+
 def test_model_benchmark_reports_speed_and_memory_for_every_provider(tmp_path: Path) -> None:
     out = tmp_path / "model.csv"
     run_script(

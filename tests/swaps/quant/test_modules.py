@@ -412,6 +412,12 @@ OBSERVERS = {
     "quantized_subclass": _subclass,
     "forward_set_on_the_instance": _instance_forward,
     "buffers_beside_the_weight": _scales_beside_the_weight,
+    "parameter_beside_the_weight": lambda e, n: getattr(e, n.up).register_parameter(
+        "weight_scale", nn.Parameter(torch.ones(1))
+    ),
+    "bias": lambda e, n: setattr(
+        getattr(e, n.down), "bias", nn.Parameter(torch.zeros(getattr(e, n.down).out_features))
+    ),
     "parametrization": _parametrized,
     "tensor_subclass_weight": _tensor_subclass_weight,
     "compiled_module": lambda e, n: setattr(getattr(e, n.gate), "_compiled_call_impl", lambda *a: None),

@@ -111,13 +111,11 @@ class ExpertMLP(nn.Module):
         weights = []
         for name in (*names, self.names.up, self.names.down):
             linear = getattr(self, name)
-            if (
-                type(linear) is not nn.Linear
-                or _observed(linear)
-                or set(linear._parameters) != {"weight", "bias"}
-            ):
+            if type(linear) is not nn.Linear or _observed(linear):
                 return None
-            if linear.bias is not None or linear._buffers:  # a bias, or a quantizer's scales kept beside it
+            # Its weight alone: no bias, and nothing a quantizer may keep beside it (scales, zero points).
+            parameters = [name for name, _ in linear.named_parameters(recurse=False)]
+            if parameters != ["weight"] or next(linear.buffers(recurse=False), None) is not None:
                 return None
             weight = linear.weight
             if type(weight) is not nn.Parameter or weight.dtype != dtype or weight.device.type != "cpu":

@@ -787,8 +787,10 @@ def _linear_expert_ops(
     if dtype not in _CALIBRATED_DTYPES or not calibration_enabled():
         return ALL_ROW, True
     experts = weights()
-    if not experts:  # every expert quantized or observed: nothing to measure, and no need to look again
-        return ALL_ROW, True
+    if (
+        not experts
+    ):  # this layer's experts are all quantized or observed: nothing to measure here, maybe elsewhere
+        return ALL_ROW, False
     gate, up, _ = experts[0]
     intermediate, hidden = up.shape
     if not _can_measure(*(t for projections in experts for t in projections if t is not None)):

@@ -504,6 +504,16 @@ def test_layers_with_no_plain_expert_are_not_scanned_on_every_call(forced_engine
             linear(*_all_experts_busy(linear))
     assert len(scans) == linear.num_experts  # one look at every expert, on the first call only
 
+    # That decision is the layer's own: a plain layer of the same shape, later in the same process, is measured.
+    from layerswap.kernels.torch_moe import ROW_CLASSES
+
+    monkeypatch.setattr(cpu_dispatch, "_fastest_engines", lambda *a: (("wm",) * ROW_CLASSES, {}))
+    calls = _engine_calls(monkeypatch)
+    _, plain, _ = _stock_and_linear(ENGINE_FAMILIES[0])
+    with torch.no_grad():
+        plain(*_all_experts_busy(plain))
+    assert calls and set(calls) == {"wm"}
+
 
 def test_unforced_calls_without_calibration_run_nn_linear_bitwise(monkeypatch):
     # tests/conftest.py turns calibration off: then no-grad calls are exactly the module path, bit for bit.

@@ -1,12 +1,13 @@
 """The machine a benchmark ran on, in one place for every benchmark script: CSV columns and a plot label.
 
     from machine import machine_fields, machine_label
-    row.update(machine_fields())    # cpu_model, cpu_flags, cpu_cores, threads, torch, transformers
+    row.update(machine_fields())    # cpu_model, cpu_flags, isa_limits, cpu_cores, threads, torch, transformers
     axes.set_title(f"... \n{machine_label()}")
 
 A figure measured on one CPU says little about another (bf16 on an AMX Xeon and on an AVX2-only EPYC differ by
-2-5x), so every row carries the CPU model, the flags that decide the kernels (amx, avx512_bf16, avx2), the core
-count and torch's thread count, and the versions of torch and transformers.
+2-5x), so every row carries the CPU model, the flags that decide the kernels (amx, avx512_bf16, avx2), any
+instruction-set cap set in the environment (ONEDNN_MAX_CPU_ISA=AVX2 makes an AMX Xeon's oneDNN an AVX2 one), the
+core count and torch's thread count, and the versions of torch and transformers.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ except ImportError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from layerswap.kernels import cpu_info
+from layerswap.kernels.cpu_dispatch import isa_limits
 
 # The columns every kernel benchmark's CSV starts with (bench_fused_moe.py adds "plan" and the machine columns).
 KERNEL_FIELDS = ("kernel", "provider", "shape", "dtype", "T", "metric", "median", "p20", "p80", "device")
 # The same columns in the combined results (run.py, bench_model.py), whose token column is named "tokens".
 RESULT_FIELDS = tuple("tokens" if field == "T" else field for field in KERNEL_FIELDS)
-MACHINE_FIELDS = ("cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers")
+MACHINE_FIELDS = ("cpu_model", "cpu_flags", "isa_limits", "cpu_cores", "threads", "torch", "transformers")
 # The flags that decide which CPU kernels are fast, in the order they are reported.
 KEY_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
@@ -49,6 +51,7 @@ def machine_fields() -> dict[str, str]:
     return {
         "cpu_model": info.model,
         "cpu_flags": " ".join(f for f in KEY_FLAGS if f in info.flags) or "-",
+        "isa_limits": " ".join(f"{name}={value}" for name, value in isa_limits().items()) or "-",
         "cpu_cores": str(info.logical_cores),
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
@@ -59,8 +62,9 @@ def machine_fields() -> dict[str, str]:
 def machine_label() -> str:
     """One line for a plot: CPU model, key flags, cores and threads, torch and transformers versions."""
     fields = machine_fields()
+    limits = "" if fields["isa_limits"] == "-" else f" capped by {fields['isa_limits']}"
     return (
-        f"{fields['cpu_model']} [{fields['cpu_flags']}], {fields['cpu_cores']} cores, "
+        f"{fields['cpu_model']} [{fields['cpu_flags']}]{limits}, {fields['cpu_cores']} cores, "
         f"{fields['threads']} threads; torch {fields['torch']}, transformers {fields['transformers']}"
     )
 

@@ -14,7 +14,7 @@ Suites (each reuses the sweep of its own module, which can also run alone):
              stock bf16 vs -quant (bf16, bitsandbytes nf4 / int8, torchao int8) and -fast   (bench_model.py)
 
 Writes OUT/results.csv (kernel, provider, shape, dtype, tokens, metric, median, p20, p80, device, versions, and
-the machine: cpu_model, cpu_flags, cpu_cores, threads, torch, transformers) and
+the machine: cpu_model, cpu_flags, isa_limits, cpu_cores, threads, torch, transformers) and
 OUT/<kernel>_<shape>_<dtype>.png (latency vs tokens, one line per provider, p20-p80 band), then prints the
 ratios. Ratios are the figures to read: providers take turns within each run, so a busy machine slows all alike.
 In the CSV, the attention suite's "fused" provider is called "layerswap" and its per-round fused/stock ratio is

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from _support.benchmark_scripts import read_rows, run_script
 
-MACHINE_COLUMNS = {"cpu_model", "cpu_flags", "cpu_cores", "threads", "torch", "transformers"}
+MACHINE_COLUMNS = {"cpu_model", "cpu_flags", "isa_limits", "cpu_cores", "threads", "torch", "transformers"}
 
 
 def test_fused_moe_benchmark_covers_quant_and_forced_strategies(tmp_path: Path) -> None:

@@ -198,6 +198,56 @@ def test_cpu_info_reads_this_machine() -> None:
     assert info.capability == torch.backends.cpu.get_cpu_capability()
 
 
+_AMX_FLAGS = {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
+@pytest.mark.parametrize(
+    "variable, cap, kept",
+    [
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", {"avx2", "fma"}),
+        ("ONEDNN_MAX_CPU_ISA", "avx512_core", {"avx2", "fma", "avx512f"}),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", _AMX_FLAGS - {"amx_tile", "amx_bf16"}),
+        ("DNNL_MAX_CPU_ISA", "AVX2", {"avx2", "fma"}),  # the older name
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX", _AMX_FLAGS),
+        ("ONEDNN_MAX_CPU_ISA", "ALL", _AMX_FLAGS),  # no cap
+        ("ONEDNN_MAX_CPU_ISA", "NOT_AN_ISA", _AMX_FLAGS),  # oneDNN ignores it: so do we
+    ],
+)
+def test_onednn_isa_cap_removes_the_flags_above_it(
+    monkeypatch, variable: str, cap: str, kept: set[str]
+) -> None:
+    monkeypatch.setenv(variable, cap)
+    assert cpu_dispatch._onednn_allowed(_AMX_FLAGS) == kept
+
+
+def test_amx_cpu_capped_at_avx2_is_ruled_and_cached_as_one(monkeypatch, calibrating) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 on an AMX Xeon makes oneDNN's bf16 GEMM 16x slower: the rule must see an AVX2
+    CPU, and the cache must not hand a decision measured without the cap to a process with it."""
+    monkeypatch.setattr(cpu_dispatch, "_read_proc_cpuinfo", lambda: ("Intel Xeon", set(_AMX_FLAGS)))
+    for variable in cpu_dispatch.ISA_LIMIT_ENV:
+        monkeypatch.delenv(variable, raising=False)
+    cpu_dispatch.cpu_info.cache_clear()
+    cpu_dispatch._machine_digest.cache_clear()
+    try:
+        assert cpu_dispatch.rule_plan(torch.bfloat16).strategy == "layerswap"
+        assert cpu_dispatch.machine_key()["isa_limits"] == {}
+        uncapped = cpu_dispatch.cache_path()
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        cpu_dispatch.cpu_info.cache_clear()
+        cpu_dispatch._machine_digest.cache_clear()
+        assert not cpu_dispatch.cpu_info().amx and not cpu_dispatch.cpu_info().avx512_bf16
+        assert cpu_dispatch.rule_plan(torch.bfloat16).strategy == "upcast"
+        assert cpu_dispatch.machine_key()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+        assert cpu_dispatch.cache_path() != uncapped
+        # A cap oneDNN does not read still keys the cache: MKL's and ATen's caps change their engines too.
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        cpu_dispatch._machine_digest.cache_clear()
+        assert cpu_dispatch.machine_key()["isa_limits"]["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    finally:
+        cpu_dispatch.cpu_info.cache_clear()
+        cpu_dispatch._machine_digest.cache_clear()
+
+
 @pytest.mark.parametrize(
     "num_tokens, bucket", [(1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (512, 512), (10**6, 8192)]
 )

@@ -16,7 +16,8 @@ The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is s
 three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
-count, and the strategy set's version.
+count, the strategy set's version, and any instruction-set cap set in the environment (`ISA_LIMIT_ENV`:
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, ...), which the libraries read at start-up.
 
 Environment variables:
 - LAYERSWAP_CPU_CALIBRATION=0: never measure; capability rules decide (`rule_plan`), no cache is read or written.
@@ -152,9 +153,67 @@ def _read_proc_cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
+# Environment variables that cap the instructions torch's math libraries use, whatever the CPU offers: a cap
+# changes which engine is fastest (oneDNN's bf16 GEMM capped at AVX2 runs 16x slower on an AMX Xeon), so a
+# decision measured under one setting must not be read under another.
+ISA_LIMIT_ENV = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+)
+
+# oneDNN's ISA names (its dnnl_cpu_isa_t bit masks) and the mask each CPU flag needs: under a cap, oneDNN uses
+# only the instructions whose bits the cap holds.
+_ONEDNN_ISA_MASKS = {
+    "SSE41": 0x1,
+    "AVX": 0x3,
+    "AVX2": 0x7,
+    "AVX2_VNNI": 0xF,
+    "AVX2_VNNI_2": 0x1F,
+    "AVX512_CORE": 0x27,
+    "AVX512_CORE_VNNI": 0x67,
+    "AVX512_CORE_BF16": 0xE7,
+    "AVX10_1_512": 0x1EF,
+    "AVX512_CORE_FP16": 0x1EF,
+    "AVX10_1_512_AMX": 0xFEF,
+    "AVX512_CORE_AMX": 0xFEF,
+    "AVX10_1_512_AMX_FP16": 0x1FEF,
+    "AVX512_CORE_AMX_FP16": 0x1FEF,
+}
+_FLAG_ISA_MASKS = {
+    **dict.fromkeys(("avx2", "fma", "f16c"), 0x7),
+    "avx_vnni": 0xF,
+    "avx_ne_convert": 0x1F,
+    **dict.fromkeys(("avx512f", "avx512bw"), 0x27),
+    "avx512_vnni": 0x67,
+    "avx512_bf16": 0xE7,
+    "avx512_fp16": 0x1EF,
+    **dict.fromkeys(("amx_tile", "amx_bf16", "amx_int8"), 0xFEF),
+    "amx_fp16": 0x1FEF,
+}
+
+
+def isa_limits() -> dict[str, str]:
+    """The instruction-set caps set in the environment (`ISA_LIMIT_ENV`), by variable name."""
+    return {name: os.environ[name] for name in ISA_LIMIT_ENV if os.environ.get(name, "").strip()}
+
+
+def _onednn_allowed(flags: set[str]) -> set[str]:
+    """`flags` less those oneDNN may not use under ONEDNN_MAX_CPU_ISA (or the older DNNL_MAX_CPU_ISA): capped
+    at AVX2, an AMX CPU has no hardware bf16 GEMM. An unknown or absent cap leaves the flags as they are."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    mask = _ONEDNN_ISA_MASKS.get(cap)
+    if mask is None:
+        return flags
+    return {flag for flag in flags if _FLAG_ISA_MASKS.get(flag, 0) & ~mask == 0}
+
+
 @functools.cache
 def cpu_info() -> CpuInfo:
-    """This machine's CPU, read once from /proc/cpuinfo, with torch's own checks where that file is missing."""
+    """This machine's CPU, read once from /proc/cpuinfo, with torch's own checks where that file is missing.
+    Its flags are those oneDNN may use: a ONEDNN_MAX_CPU_ISA cap removes the ones above it."""
     model, flags = _read_proc_cpuinfo()
     if not flags:  # not Linux: ask torch, which checks the instructions its kernels use
         checks = (
@@ -174,7 +233,7 @@ def cpu_info() -> CpuInfo:
         capability = "unknown"
     return CpuInfo(
         model=model or platform.processor() or platform.machine() or "unknown CPU",
-        flags=tuple(f for f in _FLAGS_THAT_MATTER if f in flags),
+        flags=tuple(f for f in _FLAGS_THAT_MATTER if f in _onednn_allowed(flags)),
         capability=capability,
         logical_cores=os.cpu_count() or 1,
     )
@@ -190,6 +249,7 @@ def machine_key() -> dict[str, Any]:
         "cores": info.logical_cores,
         "torch": torch.__version__,
         "strategies": STRATEGY_SET_VERSION,
+        "isa_limits": isa_limits(),
     }
 
 

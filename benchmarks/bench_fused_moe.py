@@ -554,7 +554,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine",
     )
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-out" / "fused_moe.csv")
+    parser.add_argument(
+        "--out",
+        default=str(REPO_ROOT / "bench-out" / "fused_moe.csv"),
+        help="a CSV file, or a folder (one that exists, or a path ending with /) to get fused_moe.csv",
+    )
     args = parser.parse_args(argv)
     args.out = csv_path(args.out, "fused_moe.csv")
 

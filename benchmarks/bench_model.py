@@ -395,7 +395,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=HERE.parent / "bench-out" / "model.csv")
+    parser.add_argument(
+        "--out",
+        default=str(HERE.parent / "bench-out" / "model.csv"),
+        help="a CSV file, or a folder (one that exists, or a path ending with /) to get model.csv",
+    )
     args = parser.parse_args(argv)
     args.out = csv_path(args.out, "model.csv")
     if args.threads:

@@ -13,6 +13,7 @@ core count and torch's thread count, and the versions of torch and transformers.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -69,11 +70,12 @@ def machine_label() -> str:
     )
 
 
-def csv_path(out: Path, default_name: str) -> Path:
+def csv_path(out: str, default_name: str) -> Path:
     """Where a benchmark writes its CSV, settled before any timing starts: `out` itself, or `out/default_name`
-    when `out` is a directory (or ends with a slash). Its folder is created here, so a path that cannot be
-    written stops the run at once instead of after minutes of measuring."""
-    path = out / default_name if out.is_dir() or str(out).endswith(("/", "\\")) else out
+    when `out` is a directory or ends with a slash (so pass --out as text: a Path drops the slash). Its folder is
+    created here, so a path that cannot be written stops the run at once instead of after minutes of measuring."""
+    folder = out.endswith(("/", os.sep)) or Path(out).is_dir()
+    path = Path(out) / default_name if folder else Path(out)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a"):

@@ -4,6 +4,7 @@ smallest sizes: every provider reports, and every CSV row names the machine."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from _support.benchmark_scripts import read_rows, run_script
@@ -35,6 +36,9 @@ def test_benchmark_output_path_is_settled_before_timing(tmp_path: Path) -> None:
     quick = ("--reps", "1", "--budget", "0", "--flush-mib", "0")
     run_script("bench_fused_moe.py", *small, *quick, "--out", str(tmp_path))
     assert read_rows(tmp_path / "fused_moe.csv")
+    # A folder that does not exist yet, named with a trailing slash (argparse's Path would drop the slash).
+    run_script("bench_fused_moe.py", *small, *quick, "--out", f"{tmp_path / 'new'}{os.sep}")
+    assert read_rows(tmp_path / "new" / "fused_moe.csv")
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     done = run_script("bench_fused_moe.py", *small, *quick, "--out", str(blocked / "x.csv"), check=False)

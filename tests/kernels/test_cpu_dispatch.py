@@ -3,6 +3,7 @@ calibration's decisions, and the on-disk cache (keyed, atomic, read-only fallbac
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -590,10 +591,28 @@ def test_linear_engines_are_nn_linears_own_when_calibration_is_off_or_impossible
     assert measured == [1]
 
 
-def test_stride_visits_every_expert() -> None:
-    for num_experts in (1, 6, 8, 60, 128):
-        for start in range(1, 12):
-            stride = cpu_dispatch._coprime_stride(start, num_experts)
-            assert (
-                stride >= start and len({i * stride % num_experts for i in range(num_experts)}) == num_experts
-            )
+def test_consecutive_calibration_calls_read_different_experts() -> None:
+    """Candidates take turns: each call must find its experts' weights in memory, not in the cache the call
+    before it warmed (a 480 MiB L3 holds 50 Qwen3 experts). Calls walk through the layer in steps of their
+    footprint: one expert per call visits every expert before any comes back."""
+
+    def experts(n: int, footprint: int, num_experts: int) -> set[int]:
+        first = cpu_dispatch._experts_of_call(n, footprint, num_experts)
+        return {(first + j) % num_experts for j in range(footprint)}
+
+    for num_experts in (6, 8, 60, 128):
+        assert sorted(cpu_dispatch._experts_of_call(n, 1, num_experts) for n in range(num_experts)) == list(
+            range(num_experts)
+        )
+        for footprint in (1, 2, 3, num_experts // 2):
+            for n in range(2 * num_experts):
+                assert not experts(n, footprint, num_experts) & experts(n + 1, footprint, num_experts)
+
+
+def test_calibration_timing_walks_the_experts() -> None:
+    seen: list[int] = []
+    engine = cpu_dispatch._on_next_expert(seen.append, 8)
+    times = cpu_dispatch._interleaved_ms({"stock": engine}, 4, 4, 0.0, seed=0)
+    assert len(times["stock"]) == 4
+    # The warm-up and the four timed calls each ran the expert after the one before.
+    assert [(b - a) % 8 for a, b in itertools.pairwise(seen)] == [1] * 4

@@ -10,8 +10,9 @@ one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16
 each candidate strategy (`stock`, whose computation is stock transformers' `grouped_mm`, `layerswap` with the
 measured engines, in this thread and, with several intra-op threads, split over single-threaded worker
 threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few
-experts, rotating over the experts so their weights come from memory), taking turns call by call so that load
-from other processes hits every candidate alike.
+experts), taking turns call by call so that load from other processes hits every candidate alike. Every
+calibration call, of every candidate, runs on the experts after those of the call before it, so its weights
+come from memory as in a real forward pass, not from the cache the previous candidate warmed.
 The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. `-quant`'s experts,
 three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -451,14 +453,32 @@ def _can_measure(*tensors: torch.Tensor) -> bool:
 # --- calibration ------------------------------------------------------------------------------------------------
 
 
+# Numbers every calibration call of this process, timed or warm-up, in order. A call runs on the experts its
+# number picks (`_experts_of_call`), so consecutive calls, of any candidate and any calibration, read different
+# experts' weights from memory: where two candidates of a round ran the same experts, the second found them in
+# cache (this CPU's L3 holds 480 MiB, 50 Qwen3 experts), and a 2-expert calibration chose a strategy 1.4-1.6x
+# slower than stock on the full layer.
+_call_numbers = itertools.count()
+
+# A calibration call: `call(round_index, call_number)`. Candidates of one round run the same problem (a paired
+# comparison); the call number says on which experts.
+Call = Callable[[int, int], object]
+
+
+def _experts_of_call(call_number: int, footprint: int, num_experts: int) -> int:
+    """The first of `footprint` consecutive experts (modulo `num_experts`) that call `call_number` runs: calls
+    in a row walk through the layer, so an expert is read again only after all the others."""
+    return (call_number * max(1, footprint % num_experts)) % num_experts
+
+
 def _interleaved_ms(
-    calls: dict[str, Callable[[int], object]], min_rounds: int, max_rounds: int, budget_s: float, seed: int
+    calls: dict[str, Call], min_rounds: int, max_rounds: int, budget_s: float, seed: int
 ) -> dict[str, list[float]]:
     """Per-call ms of each candidate, taking turns in an order shuffled every round (one warm-up call first).
     After three rounds, candidates whose fastest call is `_DROP_FACTOR` slower than the best one are no longer
     timed, except "stock", the reference every decision is a ratio to."""
     for call in calls.values():
-        call(0)
+        call(0, next(_call_numbers))
     times: dict[str, list[float]] = {name: [] for name in calls}
     alive = list(calls)
     order = random.Random(seed)
@@ -466,8 +486,9 @@ def _interleaved_ms(
     for round_index in range(max_rounds):
         order.shuffle(alive)
         for name in alive:
+            call_number = next(_call_numbers)
             begin = time.perf_counter()
-            calls[name](round_index + 1)
+            calls[name](round_index + 1, call_number)
             times[name].append((time.perf_counter() - begin) * 1e3)
         if round_index == 2:
             best = min(min(times[n]) for n in alive)
@@ -499,23 +520,21 @@ def _crossover_plan(
         max(strategies.scratch_numel(gate_up_proj, down_proj, b) for b in _BLOCK_CHOICES), dtype=torch.float32
     )
 
-    def direct(m: int) -> Callable[[int], object]:
-        # A different expert per call: its weights come from memory.
-        return lambda i: strategies.grouped_expert_mlp(
-            inputs[m], gate_up_proj, down_proj, i % num_experts, act
+    def direct(m: int) -> Call:
+        return _on_next_expert(
+            lambda e: strategies.grouped_expert_mlp(inputs[m], gate_up_proj, down_proj, e, act), num_experts
         )
 
-    def converted(m: int, block: int) -> Callable[[int], object]:
+    def converted(m: int, block: int) -> Call:
         out = torch.empty(m, hidden, dtype=torch.float32)
 
-        def call(i: int) -> object:
-            e = (i + num_experts // 2) % num_experts
+        def run(e: int) -> object:
             strategies.upcast_expert_mlp(inputs[m], gate_up_proj[e], down_proj[e], act, out, scratch, block)
             return out
 
-        return call
+        return _on_next_expert(run, num_experts)
 
-    calls: dict[str, Callable[[int], object]] = {}
+    calls: dict[str, Call] = {}
     for m in _CROSSOVER_ROWS:
         calls[f"direct@{m}"] = direct(m)
         for block in _BLOCK_CHOICES:
@@ -547,37 +566,30 @@ def _crossover_plan(
     return Plan("upcast", min_rows=min_rows, block_bytes=block, source="calibrated"), medians
 
 
-def _coprime_stride(start: int, num_experts: int) -> int:
-    """The first stride from `start` on that visits every one of `num_experts` experts before repeating one."""
-    stride = start
-    while math.gcd(stride, num_experts) != 1:
-        stride += 1
-    return stride
+def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
+    """A calibration call of `run(expert)` on the expert its call number picks."""
+    return lambda _, call_number: run(_experts_of_call(call_number, 1, num_experts))
 
 
 def _fastest_engines(
     ops: Sequence[str],
     reference: str,
-    engine: Callable[[str, torch.Tensor, int], Callable[[int], object]],
+    engine: Callable[[str, torch.Tensor], Callable[[int], object]],
     num_experts: int,
     hidden: int,
     dtype: torch.dtype,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
     """The fastest of `ops` at each row-count class (1, 2, 4, ... 64 rows), timed interleaved on single experts
-    (`engine(op, rows, stride)` returns a call that runs expert `i * stride % num_experts` on engine `op`; each
-    engine's stride is coprime with the expert count, so every engine cycles through all the experts and reads
-    their weights from memory, none from a warm cache). `reference` is kept unless another engine beats it by
-    the margin."""
+    (`engine(op, rows)` returns a function that runs the expert it is given on engine `op`; each call runs the
+    next expert of the layer, whose weights come from memory, none from a warm cache). `reference` is kept
+    unless another engine beats it by the margin."""
     generator = torch.Generator().manual_seed(0)
     chosen, medians = [], {}
     with torch.no_grad():
-        for row_class, m in enumerate(_ENGINE_ROWS):
+        for m in _ENGINE_ROWS:
             rows = _random_rows(generator, m, hidden, dtype)
             candidates = [op for op in ops if op != "mv" or m == 1]
-            calls = {
-                f"{op}@{m}": engine(op, rows, _coprime_stride(1 + 2 * index + row_class, num_experts))
-                for index, op in enumerate(candidates)
-            }
+            calls = {f"{op}@{m}": _on_next_expert(engine(op, rows), num_experts) for op in candidates}
             times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
             timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}
             medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
@@ -598,11 +610,10 @@ def _engines_plan(
     grouped = torch_moe._CPU_GROUPED_MM
     ops = tuple(op for op in torch_moe.EXPERT_OPS if grouped or op != "grouped")
 
-    def engine(op: str, rows: torch.Tensor, stride: int) -> Callable[[int], object]:
+    def engine(op: str, rows: torch.Tensor) -> Callable[[int], object]:
         out = torch.empty_like(rows)
 
-        def call(i: int) -> object:
-            e = (i * stride) % num_experts
+        def call(e: int) -> object:
             if op == "grouped":
                 return strategies.grouped_expert_mlp(rows, gate_up_proj, down_proj, e, act)
             return torch_moe._expert_mlp(rows, gate_up_proj[e], down_proj[e], act, out=out, op=op)
@@ -643,11 +654,11 @@ def _calibration_problem(
     top_k: int,
     hidden: int,
     dtype: torch.dtype,
-    first_expert: int,
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A router's choices for `bucket` tokens, kept only for `window` experts from `first_expert` on, each kept
-    (token, expert) pair as its own token (top_k 1): the experts see exactly the row counts they would."""
+    """A router's choices for `bucket` tokens, kept only for the first `window` experts, each kept (token,
+    expert) pair as its own token (top_k 1): the experts see exactly the row counts they would. A call shifts
+    the experts to those its call number picks (`_experts_of_call`)."""
     chosen = (
         torch.rand(bucket, num_experts, generator=generator).topk(min(top_k, num_experts), dim=-1).indices
     )
@@ -655,7 +666,7 @@ def _calibration_problem(
     experts = experts[experts < window]
     if experts.numel() == 0:
         experts = torch.zeros(1, dtype=torch.long)
-    index = ((experts + first_expert) % num_experts)[:, None]
+    index = experts[:, None]
     return (
         _random_rows(generator, index.shape[0], hidden, dtype),
         index,
@@ -687,18 +698,20 @@ def _calibrate_bucket(
     window = _window(bucket, num_experts, top_k)
     generator = torch.Generator().manual_seed(bucket)
     problems = [
-        _calibration_problem(
-            generator, bucket, num_experts, top_k, hidden, dtype, (i * window) % num_experts, window
-        )
-        for i in range(_MAX_ROUNDS + 1)
+        _calibration_problem(generator, bucket, num_experts, top_k, hidden, dtype, window)
+        for _ in range(_MAX_ROUNDS + 1)
     ]
     by_name = {plan.label: plan for plan in candidates}
 
-    def call(plan: Plan) -> Callable[[int], object]:
+    def call(plan: Plan) -> Call:
         run = STRATEGIES[plan.strategy]
-        return lambda i: run(
-            problems[i][0], gate_up_proj, down_proj, problems[i][1], problems[i][2], act, plan
-        )
+
+        def one(round_index: int, call_number: int) -> object:
+            rows, experts, weights = problems[round_index]
+            experts = (experts + _experts_of_call(call_number, window, num_experts)) % num_experts
+            return run(rows, gate_up_proj, down_proj, experts, weights, act, plan)
+
+        return one
 
     with torch.no_grad():
         times = _interleaved_ms(
@@ -862,11 +875,8 @@ def _linear_expert_ops(
         plan = cache.get(key)
         if plan is None:
 
-            def engine(op: str, rows: torch.Tensor, stride: int) -> Callable[[int], object]:
-                def call(i: int) -> object:
-                    return torch_moe.linear_expert_mlp(rows, *experts[(i * stride) % len(experts)], act, op)
-
-                return call
+            def engine(op: str, rows: torch.Tensor) -> Callable[[int], object]:
+                return lambda e: torch_moe.linear_expert_mlp(rows, *experts[e], act, op)
 
             ops, medians = _fastest_engines(
                 torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype

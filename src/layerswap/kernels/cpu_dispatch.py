@@ -68,8 +68,9 @@ ENV_CALIBRATION = "LAYERSWAP_CPU_CALIBRATION"
 ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 ENV_CACHE_DIR = "LAYERSWAP_CACHE_DIR"
 
-# Bump when a strategy's implementation changes, so decisions measured on the old code are not reused.
-STRATEGY_SET_VERSION = 2  # 2: per-row-count engines in `layerswap`
+# Bump when a strategy's implementation or how it is measured changes, so decisions measured on the old code
+# are not reused.
+STRATEGY_SET_VERSION = 3  # 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely

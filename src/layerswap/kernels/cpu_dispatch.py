@@ -457,8 +457,8 @@ def _can_measure(*tensors: torch.Tensor) -> bool:
 # Numbers every calibration call of this process, timed or warm-up, in order. A call runs on the experts its
 # number picks (`_experts_of_call`), so consecutive calls, of any candidate and any calibration, read different
 # experts' weights from memory: where two candidates of a round ran the same experts, the second found them in
-# cache (this CPU's L3 holds 480 MiB, 50 Qwen3 experts), and a 2-expert calibration chose a strategy 1.4-1.6x
-# slower than stock on the full layer.
+# cache (this CPU's L3 holds 480 MiB, 50 Qwen3 experts), and a 2-expert calibration chose a plan that timed
+# 1.0-1.6x stock's on the full layer.
 _call_numbers = itertools.count()
 
 # A calibration call: `call(round_index, call_number)`. Candidates of one round run the same problem (a paired

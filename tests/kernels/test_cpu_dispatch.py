@@ -616,3 +616,40 @@ def test_calibration_timing_walks_the_experts() -> None:
     assert len(times["stock"]) == 4
     # The warm-up and the four timed calls each ran the expert after the one before.
     assert [(b - a) % 8 for a, b in itertools.pairwise(seen)] == [1] * 4
+
+
+@pytest.fixture
+def fp32_matmul_precision():
+    """Sets torch's fp32 matmul precision for one test, restoring it after (it is process-wide)."""
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    yield lambda mode: setattr(matmul, "fp32_precision", mode)
+    matmul.fp32_precision = before
+
+
+def test_fp32_decisions_are_measured_per_matmul_precision(
+    calibrating, monkeypatch, fp32_matmul_precision
+) -> None:
+    """With fp32 matmuls allowed to run in bf16 (set_float32_matmul_precision("medium")), an AMX CPU orders the
+    engines differently: a decision measured in full fp32 must not be reused there, nor the reverse."""
+    measured = []
+    monkeypatch.setattr(
+        cpu_dispatch,
+        "_fastest_engines",
+        lambda *a: measured.append(cpu_dispatch.fp32_matmul_mode()) or (("wm",) * ROW_CLASSES, {}),
+    )
+    fp32_matmul_precision("none")
+    full_key = cpu_dispatch._shape_key(torch.float32, 8, 2, 64, 32)
+    bf16_key = cpu_dispatch._shape_key(torch.bfloat16, 8, 2, 64, 32)
+    linear_ops(linear_experts())
+    linear_ops(linear_experts())
+    fp32_matmul_precision("bf16")
+    assert cpu_dispatch.fp32_matmul_mode() == "bf16"
+    assert cpu_dispatch._shape_key(torch.float32, 8, 2, 64, 32) == f"{full_key}|fp32-bf16"
+    assert (
+        cpu_dispatch._shape_key(torch.bfloat16, 8, 2, 64, 32) == bf16_key
+    )  # bf16 decisions do not depend on it
+    linear_ops(linear_experts())
+    fp32_matmul_precision("none")
+    linear_ops(linear_experts())  # back to full fp32: the first decision, from memory
+    assert measured == ["none", "bf16"]

@@ -18,7 +18,8 @@ three separate nn.Linear projections each, get the same per-row-count measuremen
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
 count, the strategy set's version, and any instruction-set cap set in the environment (`ISA_LIMIT_ENV`:
-ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, ...), which the libraries read at start-up.
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, ...), which the libraries read at start-up;
+fp32 decisions also by the fp32 matmul precision (`fp32_matmul_mode`), which a program may change at any time.
 
 Environment variables:
 - LAYERSWAP_CPU_CALIBRATION=0: never measure; capability rules decide (`rule_plan`), no cache is read or written.
@@ -737,9 +738,25 @@ def _calibrate_bucket(
     return replace(chosen, source="calibrated"), medians
 
 
+def fp32_matmul_mode() -> str:
+    """How torch runs fp32 matmuls on the CPU: "none" (in fp32) or the reduced precision oneDNN may use instead
+    ("bf16" after `torch.set_float32_matmul_precision("medium")`, "tf32"). It reorders the engines: on an AMX
+    Xeon, "bf16" makes an fp32 `x @ W.T` 2.5x faster and then faster than the weight-major GEMM, which is 1.5x
+    faster in fp32. So fp32 decisions are measured and cached per mode."""
+    mode = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None)
+    if isinstance(mode, str):
+        return mode
+    try:  # torch before the per-backend setting
+        return torch.get_float32_matmul_precision()
+    except Exception:
+        return "unknown"
+
+
 def _shape_key(dtype: torch.dtype, num_experts: int, top_k: int, hidden: int, intermediate: int) -> str:
     name = str(dtype).removeprefix("torch.")
-    return f"{name}|E{num_experts}|K{top_k}|H{hidden}|I{intermediate}|threads{torch.get_num_threads()}"
+    key = f"{name}|E{num_experts}|K{top_k}|H{hidden}|I{intermediate}|threads{torch.get_num_threads()}"
+    mode = fp32_matmul_mode() if dtype == torch.float32 else "none"
+    return key if mode in ("none", "highest") else f"{key}|fp32-{mode}"
 
 
 def plan_for(
@@ -759,6 +776,7 @@ def plan_for(
         top_k_index.shape[-1],
         token_bucket(hidden_states.shape[0]),
         torch.get_num_threads(),
+        fp32_matmul_mode(),
     )
     plan = _memo.get(memo_key)
     if plan is None:
@@ -837,6 +855,7 @@ def linear_expert_ops(
         dtype,
         shape,
         torch.get_num_threads(),
+        fp32_matmul_mode(),
     )
     ops = _linear_memo.get(memo_key)
     if ops is None:

@@ -231,13 +231,14 @@ def cpu_info() -> CpuInfo:
             with contextlib.suppress(Exception):
                 if getattr(torch.cpu, check)():
                     flags.update(names)
+    usable = _onednn_allowed(flags)
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except Exception:  # very old torch
         capability = "unknown"
     return CpuInfo(
         model=model or platform.processor() or platform.machine() or "unknown CPU",
-        flags=tuple(f for f in _FLAGS_THAT_MATTER if f in _onednn_allowed(flags)),
+        flags=tuple(f for f in _FLAGS_THAT_MATTER if f in usable),
         capability=capability,
         logical_cores=os.cpu_count() or 1,
     )
@@ -755,8 +756,13 @@ def fp32_matmul_mode() -> str:
 def _shape_key(dtype: torch.dtype, num_experts: int, top_k: int, hidden: int, intermediate: int) -> str:
     name = str(dtype).removeprefix("torch.")
     key = f"{name}|E{num_experts}|K{top_k}|H{hidden}|I{intermediate}|threads{torch.get_num_threads()}"
-    mode = fp32_matmul_mode() if dtype == torch.float32 else "none"
+    mode = _matmul_mode(dtype)
     return key if mode in ("none", "highest") else f"{key}|fp32-{mode}"
+
+
+def _matmul_mode(dtype: torch.dtype) -> str:
+    """What a decision for `dtype` depends on of torch's matmul settings: the fp32 precision, for fp32 only."""
+    return fp32_matmul_mode() if dtype == torch.float32 else "none"
 
 
 def plan_for(
@@ -776,7 +782,7 @@ def plan_for(
         top_k_index.shape[-1],
         token_bucket(hidden_states.shape[0]),
         torch.get_num_threads(),
-        fp32_matmul_mode(),
+        _matmul_mode(gate_up_proj.dtype),
     )
     plan = _memo.get(memo_key)
     if plan is None:
@@ -855,7 +861,7 @@ def linear_expert_ops(
         dtype,
         shape,
         torch.get_num_threads(),
-        fp32_matmul_mode(),
+        _matmul_mode(dtype),
     )
     ops = _linear_memo.get(memo_key)
     if ops is None:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from layerswap.kernels import Plan, cpu_dispatch, fused_moe, fused_moe_reference, torch_moe
+from layerswap.kernels import Plan, cpu_dispatch, cpu_native, fused_moe, fused_moe_reference, torch_moe
 from layerswap.kernels import _cpu_strategies as strategies
 from layerswap.kernels.cpu_dispatch import CpuInfo
 from layerswap.kernels.torch_moe import EXPERT_OPS, ROW_CLASSES, resolve_activation
@@ -34,6 +34,9 @@ PLANS = {
         "layerswap", ops=("mv", "grouped", "row", "wm", "grouped", "row", "wm"), workers=2
     ),
     "layerswap_grouped_workers": Plan("layerswap", ops=("grouped",) * ROW_CLASSES, workers=3),
+    # layerswap's kernel (bf16; other dtypes run it as "wm") from single-threaded workers and mixed with others.
+    "layerswap_skinny_workers": Plan("layerswap", ops=("skinny",) * ROW_CLASSES, workers=2),
+    "layerswap_skinny_mixed": Plan("layerswap", ops=("skinny", "skinny", "skinny", "wm", "row", "wm", "wm")),
     "upcast": Plan("upcast"),  # default min_rows: the T below mix converted and direct experts
     "upcast_all_converted": Plan("upcast", min_rows=1),  # one-row experts converted too
     "upcast_none_converted": Plan("upcast", min_rows=10**6),  # every expert through torch's own GEMM
@@ -296,8 +299,31 @@ def test_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow:
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert plan.strategy == "layerswap" and len(plan.ops) == ROW_CLASSES
     assert slow not in plan.ops
-    assert {name.partition("@")[0] for name in medians} == set(EXPERT_OPS)  # mv timed at one row only
+    # fp32: the bf16 kernel ("skinny") is no candidate; mv is timed at one row only
+    assert {name.partition("@")[0] for name in medians} == set(EXPERT_OPS) - {"skinny"}
     assert [name for name in medians if name.startswith("mv@")] == ["mv@1"]
+
+
+# bf16: layerswap's kernel is a candidate where it can win (1-8 rows), and loses to a faster engine.
+def test_engine_measurement_times_the_kernel_for_bf16_skinny_rows(calibrating, monkeypatch) -> None:
+    assert cpu_native.available(), cpu_native.why_unavailable()
+    real = torch_moe._expert_mlp
+
+    def expert_mlp(*args, op=None, **kwargs):
+        if op == "skinny":
+            time.sleep(0.003)
+        return real(*args, op=op, **kwargs)
+
+    monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
+    _, gate_up, down, _, _ = make_problem(1, dtype=torch.bfloat16)
+    plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
+    assert [name for name in medians if name.startswith("skinny@")] == [
+        "skinny@1",
+        "skinny@2",
+        "skinny@4",
+        "skinny@8",
+    ]
+    assert "skinny" not in plan.ops
 
 
 def test_engine_ties_keep_the_grouped_gemm(calibrating, monkeypatch) -> None:

@@ -59,7 +59,9 @@ from typing import Any
 import torch
 
 from . import _cpu_strategies as strategies
-from . import _workers, torch_moe
+from . import _workers, cpu_native, torch_moe
+from ._cache import ENV_CACHE_DIR as ENV_CACHE_DIR  # one of the variables documented above
+from ._cache import cache_dir
 from ._cpu_strategies import STRATEGIES, Plan
 from .torch_moe import Activation, fused_moe_reference, resolve_activation
 
@@ -67,11 +69,11 @@ logger = logging.getLogger(__name__)
 
 ENV_CALIBRATION = "LAYERSWAP_CPU_CALIBRATION"
 ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
-ENV_CACHE_DIR = "LAYERSWAP_CACHE_DIR"
 
 # Bump when a strategy's implementation or how it is measured changes, so decisions measured on the old code
 # are not reused.
-STRATEGY_SET_VERSION = 3  # 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts
+# 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine
+STRATEGY_SET_VERSION = 4
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -266,14 +268,6 @@ def token_bucket(num_tokens: int) -> int:
 # --- the cache --------------------------------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get(ENV_CACHE_DIR)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "layerswap"
-
-
 @functools.cache
 def _machine_digest() -> str:
     return hashlib.sha256(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()[:16]
@@ -419,6 +413,8 @@ def forced_plan() -> Plan | None:
     try:
         if detail and name == "layerswap":
             engine, _, workers = detail.partition(":")
+            if engine == "skinny" and not cpu_native.available():
+                raise ValueError(f"engine 'skinny' cannot run here: {cpu_native.why_unavailable()}")
             ops = (engine,) * torch_moe.ROW_CLASSES
             return Plan(name, ops=ops, workers=int(workers) if workers else 1, source="forced")
         if detail and name == "upcast":
@@ -574,6 +570,20 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
     return lambda _, call_number: run(_experts_of_call(call_number, 1, num_experts))
 
 
+# layerswap's bf16 kernel is compute-bound from ~4 rows on (AVX512-BF16's dot product), where oneDNN's AMX or
+# blocked GEMMs win by 1.3-1.5x (measured on a Sapphire Rapids); past 8 rows timing it only costs calibration time.
+_SKINNY_MAX_ROWS = 8
+
+
+def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
+    """Whether engine `op` is a candidate for experts with `rows` rows of `dtype`."""
+    if op == "mv":
+        return rows == 1  # more rows run as "row", timed anyway
+    if op == "skinny":
+        return dtype == torch.bfloat16 and rows <= _SKINNY_MAX_ROWS and cpu_native.available()
+    return True
+
+
 def _fastest_engines(
     ops: Sequence[str],
     reference: str,
@@ -591,7 +601,7 @@ def _fastest_engines(
     with torch.no_grad():
         for m in _ENGINE_ROWS:
             rows = _random_rows(generator, m, hidden, dtype)
-            candidates = [op for op in ops if op != "mv" or m == 1]
+            candidates = [op for op in ops if _worth_timing(op, m, dtype)]
             calls = {f"{op}@{m}": _on_next_expert(engine(op, rows), num_experts) for op in candidates}
             times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
             timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}

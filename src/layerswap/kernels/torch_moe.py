@@ -25,7 +25,9 @@ measures per machine (`cpu_dispatch`):
 - "grouped": the expert joins one call of torch's grouped GEMM with every other expert of its op;
 - "mv": a GEMV per projection (one row only; more rows fall back to "row");
 - "row": `x @ W.T`;
-- "wm": weight-major `(W @ x.T).T` (oneDNN for large fp32 weights).
+- "wm": weight-major `(W @ x.T).T` (oneDNN for large fp32 weights);
+- "skinny": layerswap's own bf16 kernel (`cpu_native`, built on first use), which streams the weight at ~95%
+  of the memory's read bandwidth for 1-3 rows; fp32/fp16, or where the kernel cannot be built, run as "wm".
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from . import _workers
+from . import _workers, cpu_native
 
 Activation = str | Callable[[torch.Tensor], torch.Tensor]
 
@@ -66,7 +68,7 @@ _MKLDNN_MIN_WEIGHT_NUMEL = 1 << 20
 
 # The engines an expert's MLP can run on (see the module docstring), and the row-count classes an `ops` tuple
 # gives one engine each: class c holds 2**c to 2**(c+1) - 1 rows, the last class every count above.
-EXPERT_OPS = ("grouped", "mv", "row", "wm")
+EXPERT_OPS = ("grouped", "mv", "row", "wm", "skinny")
 ROW_CLASSES = 7  # 1, 2-3, 4-7, 8-15, 16-31, 32-63, 64+
 
 
@@ -104,6 +106,16 @@ def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch
         ) from None
 
 
+def skinny_applies(inputs: torch.Tensor, weight: torch.Tensor, differentiable: bool) -> bool:
+    """Whether engine "skinny" runs layerswap's kernel on these operands (else it runs as "wm")."""
+    return (
+        not differentiable
+        and inputs.dtype == weight.dtype == torch.bfloat16
+        and inputs.device.type == "cpu"
+        and cpu_native.available()
+    )
+
+
 def _weight_major_mm(weight: torch.Tensor, inputs: torch.Tensor, differentiable: bool) -> torch.Tensor:
     """`weight @ inputs.T` ([N, K] x [m, K] -> [N, m]) with the fastest CPU engine for that orientation."""
     if (
@@ -137,6 +149,12 @@ def _expert_mlp(
         op = default_ops(rows.dtype)[row_class(rows.shape[0])]
         if op == "grouped":  # alone, the grouped GEMM's one expert is a GEMV or an x @ W.T
             op = "mv" if rows.shape[0] == 1 else "row"
+    if op == "skinny":
+        if skinny_applies(rows, gate_up, differentiable):
+            gate_up_out = cpu_native.skinny_mm(rows, gate_up)
+            hidden = act(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]
+            return cpu_native.skinny_mm(hidden, down, out)
+        op = "wm"
     if op == "mv" and rows.shape[0] == 1:
         # One row: a plain GEMV (on AVX-512/AMX CPUs ~20% faster for bf16 than either GEMM orientation, where
         # oneDNN treats a 1-column GEMM as a GEMM; for fp32 it ties with MKL's x @ W.T).
@@ -160,7 +178,7 @@ def _expert_mlp(
 
 # The engines of an expert held as three separate projections (`-quant`'s nn.Linear experts): "row" is what
 # nn.Linear itself computes, `x @ W.T`, so it is the reference the others must beat.
-LINEAR_EXPERT_OPS = ("row", "mv", "wm")
+LINEAR_EXPERT_OPS = ("row", "mv", "wm", "skinny")
 
 
 def linear_expert_mlp(
@@ -174,7 +192,14 @@ def linear_expert_mlp(
     """down(act(gate(rows)) * up(rows)) (down(act(up(rows))) without a gate) for one expert whose projections are
     separate weights (`gate`, `up` [I, H], `down` [H, I], no bias): [m, H] -> [m, H], on engine `op` of
     `LINEAR_EXPERT_OPS`. "row" computes exactly what the three nn.Linear calls compute; "mv" (one row) and
-    "wm" (weight-major, `(W @ x.T).T`) are the engines `_expert_mlp` runs on fused weights."""
+    "wm" (weight-major, `(W @ x.T).T`) and "skinny" (bf16; else as "wm") are the engines `_expert_mlp` runs
+    on fused weights."""
+    if op == "skinny":
+        if skinny_applies(rows, up, differentiable=False):
+            up_out = cpu_native.skinny_mm(rows, up)
+            hidden = act(up_out) if gate is None else act(cpu_native.skinny_mm(rows, gate)) * up_out
+            return cpu_native.skinny_mm(hidden, down)
+        op = "wm"
     if op == "mv" and rows.shape[0] == 1:
         vector = rows[0]
         up_v = torch.mv(up, vector)

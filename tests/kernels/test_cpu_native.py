@@ -1,0 +1,188 @@
+"""layerswap's CPU kernel (cpu_gemm.cpp through cpu_native): built here, each instruction set it has against a
+float64 reference on the shapes that reach each of its code paths, its errors, and what happens without it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from layerswap.kernels import cpu_native, torch_moe
+
+
+@pytest.fixture
+def fresh_kernel_state():
+    """Forget the loaded kernel (and its availability) before and after: the test sets its own conditions."""
+    cpu_native._load.cache_clear()
+    yield
+    cpu_native._load.cache_clear()
+
+
+def test_builds_on_this_machine() -> None:
+    # CI has a C++ compiler and ninja (optimum-quanto builds its extensions with them too) on an x86-64 CPU.
+    assert cpu_native.available(), cpu_native.why_unavailable()
+    assert cpu_native.why_unavailable() is None
+    assert "avx2" in cpu_native.supported_isas()
+
+
+def _bf16(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    # fp32 accumulation, then one rounding to bf16 (8 bits): within 2**-8 of the largest output. Only the order
+    # of the fp32 additions differs from torch's bf16 GEMM.
+    want = x.double() @ w.double().T
+    tolerance = want.abs().max().item() * 2**-8 + 1e-6
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.double() - want).abs().max().item() <= tolerance
+
+
+# Rows: 1 (a GEMV), 2-3 (8-weight-row blocks), 4-7 (4 x 6 tiles, with 4-5 left over), 13 and 40 (several tiles,
+# then a remainder). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below
+# one vector, not a multiple of 32 or 8 (the masked / scalar tail), and real layer sizes (2048 x 1536).
+SHAPES = [(1, 1), (7, 31), (9, 33), (13, 8), (64, 48), (48, 64), (130, 2049), (1536, 2048)]
+
+
+@pytest.mark.parametrize("isa", cpu_native.supported_isas())
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 40])
+def test_matches_float64_on_every_tile_shape(isa: str, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    for columns, depth in SHAPES:
+        x, w = _bf16(generator, rows, depth), _bf16(generator, columns, depth)
+        _assert_close_to_float64(cpu_native.skinny_mm(x, w, isa=isa), x, w)
+
+
+@pytest.mark.parametrize("isa", cpu_native.supported_isas())
+def test_strided_operands_and_output(isa: str) -> None:
+    # An expert's rows are a slice of the gathered rows, and its output a slice of one buffer: row strides
+    # differ from the widths, and the output's columns are a window of a wider row.
+    generator = torch.Generator().manual_seed(1)
+    x = _bf16(generator, 5, 100)[:, 10:74]  # [5, 64], row stride 100
+    w = _bf16(generator, 40, 80)[:, :64]  # [40, 64], row stride 80
+    buffer = torch.zeros(5, 50, dtype=torch.bfloat16)
+    result = cpu_native.skinny_mm(x, w, buffer[:, 3:43], isa=isa)
+    _assert_close_to_float64(result, x, w)
+    assert result.data_ptr() == buffer[:, 3:43].data_ptr()
+    assert buffer[:, :3].eq(0).all() and buffer[:, 43:].eq(0).all()  # nothing written outside the window
+
+
+def test_the_instruction_sets_agree() -> None:
+    isas = cpu_native.supported_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs only {isas}")  # AVX2-only CPUs: nothing to compare
+    generator = torch.Generator().manual_seed(2)
+    x, w = _bf16(generator, 3, 2048), _bf16(generator, 768, 2048)
+    results = [cpu_native.skinny_mm(x, w, isa=isa).float() for isa in isas]
+    # Both accumulate in fp32 in a different order: at most one bf16 rounding step apart.
+    assert torch.allclose(results[0], results[1], rtol=2**-7, atol=2**-7 * results[0].abs().max().item())
+
+
+def test_same_bits_on_any_thread_count() -> None:
+    # Each output element is summed by one thread in a fixed order: two processes with different thread counts
+    # must compute the same numbers.
+    generator = torch.Generator().manual_seed(3)
+    x, w = _bf16(generator, 3, 2048), _bf16(generator, 1536, 2048)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_native.skinny_mm(x, w)
+        torch.set_num_threads(2)
+        shared = cpu_native.skinny_mm(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+
+
+def test_empty_inputs() -> None:
+    w = torch.ones(8, 16, dtype=torch.bfloat16)
+    assert cpu_native.skinny_mm(torch.ones(0, 16, dtype=torch.bfloat16), w).shape == (0, 8)
+    assert cpu_native.skinny_mm(torch.ones(2, 16, dtype=torch.bfloat16), w[:0]).shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "x, w, out, message",
+    [
+        (torch.ones(2, 8), torch.ones(4, 8), None, "bfloat16"),
+        (torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 9, dtype=torch.bfloat16), None, "must match"),
+        (
+            torch.ones(8, 2, dtype=torch.bfloat16).t(),
+            torch.ones(4, 8, dtype=torch.bfloat16),
+            None,
+            "contiguous",
+        ),
+        (
+            torch.ones(2, 8, dtype=torch.bfloat16),
+            torch.ones(4, 8, dtype=torch.bfloat16),
+            torch.empty(2, 5, dtype=torch.bfloat16),
+            "out must be",
+        ),
+    ],
+    ids=["fp32", "depth_mismatch", "strided_last_dim", "wrong_out"],
+)
+def test_bad_operands_name_the_problem(x, w, out, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        cpu_native.skinny_mm(x, w, out)
+
+
+def test_unknown_isa_is_refused() -> None:
+    x = torch.ones(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_native.skinny_mm(x, x, isa="neon")
+
+
+def test_aten_cpu_capability_caps_the_kernel_too(fresh_kernel_state, monkeypatch) -> None:
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert cpu_native.supported_isas() == ("avx2",)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    cpu_native._load.cache_clear()
+    assert not cpu_native.available()
+    assert "none of" in cpu_native.why_unavailable()
+
+
+# Without the kernel: engine "skinny" runs as "wm", the same numbers torch's weight-major GEMM gives.
+def test_disabled_kernel_falls_back_to_weight_major(fresh_kernel_state, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_native.ENV_KERNEL, "0")
+    assert not cpu_native.available()
+    assert cpu_native.ENV_KERNEL in cpu_native.why_unavailable()
+    with pytest.raises(RuntimeError, match="not available"):
+        cpu_native.skinny_mm(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(2, 8, dtype=torch.bfloat16))
+    generator = torch.Generator().manual_seed(4)
+    rows, gate_up, down = _bf16(generator, 3, 64), _bf16(generator, 96, 64), _bf16(generator, 64, 48)
+    act = torch.nn.functional.silu
+    with torch.no_grad():
+        skinny = torch_moe._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="skinny")
+        wm = torch_moe._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="wm")
+    assert torch.equal(skinny, wm)
+
+
+def test_a_failed_build_warns_and_leaves_torchs_engines(fresh_kernel_state, monkeypatch, caplog) -> None:
+    from torch.utils import cpp_extension
+
+    def failing_load(**kwargs):
+        raise RuntimeError("Error building extension: c++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert not cpu_native.available()
+    assert "c++: not found" in cpu_native.why_unavailable()
+    assert "no CPU kernel" in caplog.text
+
+
+def test_unwritable_cache_builds_in_the_temp_dir(tmp_path, monkeypatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(
+        "LAYERSWAP_CACHE_DIR", str(blocker / "layerswap")
+    )  # a directory under a file: unwritable
+    directory = cpu_native._build_dir("layerswap_cpu_test")
+    assert directory.is_dir() and not str(directory).startswith(str(blocker))
+
+
+def test_an_edited_source_gets_a_new_name(tmp_path, monkeypatch) -> None:
+    edited = tmp_path / "cpu_gemm.cpp"
+    edited.write_bytes(cpu_native.SOURCE.read_bytes() + b"\n// edited\n")
+    before = cpu_native.extension_name()
+    monkeypatch.setattr(cpu_native, "SOURCE", edited)
+    assert cpu_native.extension_name() != before

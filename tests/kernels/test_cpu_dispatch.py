@@ -299,13 +299,14 @@ def test_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow:
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert plan.strategy == "layerswap" and len(plan.ops) == ROW_CLASSES
     assert slow not in plan.ops
-    # fp32: the bf16 kernel ("skinny") is no candidate; mv is timed at one row only
-    assert {name.partition("@")[0] for name in medians} == set(EXPERT_OPS) - {"skinny"}
-    assert [name for name in medians if name.startswith("mv@")] == ["mv@1"]
+    assert {name.partition("@")[0] for name in medians} == set(EXPERT_OPS)
+    assert [name for name in medians if name.startswith("mv@")] == ["mv@1"]  # mv: one row only
 
 
-# bf16: layerswap's kernel is a candidate where it can win (1-8 rows), and loses to a faster engine.
-def test_engine_measurement_times_the_kernel_for_bf16_skinny_rows(calibrating, monkeypatch) -> None:
+# layerswap's kernel is a candidate where it can win (1-8 rows of bf16 or fp32), and loses to a faster engine;
+# fp16 has no kernel.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
+def test_engine_measurement_times_the_kernel_for_few_rows(calibrating, monkeypatch, dtype) -> None:
     assert cpu_native.available(), cpu_native.why_unavailable()
     real = torch_moe._expert_mlp
 

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from layerswap.kernels import cpu_native, torch_moe
 
@@ -26,16 +27,19 @@ def test_builds_on_this_machine() -> None:
     assert "avx2" in cpu_native.supported_isas()
 
 
-def _bf16(generator: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+def _bf16(generator: torch.Generator, *shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+# fp32 accumulation; bf16 is then rounded once (8 bits): within 2**-8 of the largest output. fp32 keeps 24 bits,
+# and a sum over up to 2049 terms loses ~log2(2049) of them in the worst case.
+RELATIVE_TOLERANCE = {torch.bfloat16: 2**-8, torch.float32: 2**-16}
 
 
 def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    # fp32 accumulation, then one rounding to bf16 (8 bits): within 2**-8 of the largest output. Only the order
-    # of the fp32 additions differs from torch's bf16 GEMM.
     want = x.double() @ w.double().T
-    tolerance = want.abs().max().item() * 2**-8 + 1e-6
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    tolerance = want.abs().max().item() * RELATIVE_TOLERANCE[x.dtype] + 1e-6
+    assert got.dtype == x.dtype and got.shape == want.shape
     assert (got.double() - want).abs().max().item() <= tolerance
 
 
@@ -45,23 +49,28 @@ def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 SHAPES = [(1, 1), (7, 31), (9, 33), (13, 8), (64, 48), (48, 64), (130, 2049), (1536, 2048)]
 
 
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+
+
+@DTYPES
 @pytest.mark.parametrize("isa", cpu_native.supported_isas())
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 40])
-def test_matches_float64_on_every_tile_shape(isa: str, rows: int) -> None:
+def test_matches_float64_on_every_tile_shape(isa: str, rows: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(rows)
     for columns, depth in SHAPES:
-        x, w = _bf16(generator, rows, depth), _bf16(generator, columns, depth)
+        x, w = _bf16(generator, rows, depth, dtype=dtype), _bf16(generator, columns, depth, dtype=dtype)
         _assert_close_to_float64(cpu_native.skinny_mm(x, w, isa=isa), x, w)
 
 
+@DTYPES
 @pytest.mark.parametrize("isa", cpu_native.supported_isas())
-def test_strided_operands_and_output(isa: str) -> None:
+def test_strided_operands_and_output(isa: str, dtype: torch.dtype) -> None:
     # An expert's rows are a slice of the gathered rows, and its output a slice of one buffer: row strides
     # differ from the widths, and the output's columns are a window of a wider row.
     generator = torch.Generator().manual_seed(1)
-    x = _bf16(generator, 5, 100)[:, 10:74]  # [5, 64], row stride 100
-    w = _bf16(generator, 40, 80)[:, :64]  # [40, 64], row stride 80
-    buffer = torch.zeros(5, 50, dtype=torch.bfloat16)
+    x = _bf16(generator, 5, 100, dtype=dtype)[:, 10:74]  # [5, 64], row stride 100
+    w = _bf16(generator, 40, 80, dtype=dtype)[:, :64]  # [40, 64], row stride 80
+    buffer = torch.zeros(5, 50, dtype=dtype)
     result = cpu_native.skinny_mm(x, w, buffer[:, 3:43], isa=isa)
     _assert_close_to_float64(result, x, w)
     assert result.data_ptr() == buffer[:, 3:43].data_ptr()
@@ -79,11 +88,12 @@ def test_the_instruction_sets_agree() -> None:
     assert torch.allclose(results[0], results[1], rtol=2**-7, atol=2**-7 * results[0].abs().max().item())
 
 
-def test_same_bits_on_any_thread_count() -> None:
+@DTYPES
+def test_same_bits_on_any_thread_count(dtype: torch.dtype) -> None:
     # Each output element is summed by one thread in a fixed order: two processes with different thread counts
     # must compute the same numbers.
     generator = torch.Generator().manual_seed(3)
-    x, w = _bf16(generator, 3, 2048), _bf16(generator, 1536, 2048)
+    x, w = _bf16(generator, 3, 2048, dtype=dtype), _bf16(generator, 1536, 2048, dtype=dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -104,7 +114,18 @@ def test_empty_inputs() -> None:
 @pytest.mark.parametrize(
     "x, w, out, message",
     [
-        (torch.ones(2, 8), torch.ones(4, 8), None, "bfloat16"),
+        (
+            torch.ones(2, 8, dtype=torch.float16),
+            torch.ones(4, 8, dtype=torch.float16),
+            None,
+            "must be bfloat16, or every one float32",
+        ),
+        (
+            torch.ones(2, 8),
+            torch.ones(4, 8, dtype=torch.bfloat16),
+            None,
+            "must be bfloat16, or every one float32",
+        ),
         (torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, 9, dtype=torch.bfloat16), None, "must match"),
         (
             torch.ones(8, 2, dtype=torch.bfloat16).t(),
@@ -119,7 +140,7 @@ def test_empty_inputs() -> None:
             "out must be",
         ),
     ],
-    ids=["fp32", "depth_mismatch", "strided_last_dim", "wrong_out"],
+    ids=["fp16", "mixed_dtypes", "depth_mismatch", "strided_last_dim", "wrong_out"],
 )
 def test_bad_operands_name_the_problem(x, w, out, message: str) -> None:
     with pytest.raises(RuntimeError, match=message):
@@ -186,3 +207,79 @@ def test_an_edited_source_gets_a_new_name(tmp_path, monkeypatch) -> None:
     before = cpu_native.extension_name()
     monkeypatch.setattr(cpu_native, "SOURCE", edited)
     assert cpu_native.extension_name() != before
+
+
+# --- the gated SiLU MLP, one expert and several in one call ---------------------------------------------------
+
+
+def _mlp_weights(generator: torch.Generator, hidden: int, intermediate: int, dtype: torch.dtype):
+    gate = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
+    up = torch.randn(intermediate, hidden, generator=generator) * hidden**-0.5
+    down = torch.randn(hidden, intermediate, generator=generator) * intermediate**-0.5
+    return gate.to(dtype), up.to(dtype), down.to(dtype)
+
+
+def _mlp_float64(x, gate, up, down):
+    x = x.double()
+    return (F.silu(x @ gate.double().T) * (x @ up.double().T)) @ down.double().T
+
+
+# The kernel forms silu(gate) * up from fp32 sums and rounds the product once; torch rounds gate, up, the SiLU and
+# the product to bf16 each. Both land within a few bf16 steps of float64.
+MLP_TOLERANCE = {torch.bfloat16: 2**-6, torch.float32: 2**-16}
+
+
+@DTYPES
+@pytest.mark.parametrize("isa", cpu_native.supported_isas())
+# (rows, H, I): one row; a real layer's sizes; H and I below and off one vector; more rows than one tile holds.
+@pytest.mark.parametrize(
+    "rows, hidden, intermediate", [(1, 64, 48), (3, 2048, 768), (5, 33, 17), (13, 130, 70)]
+)
+def test_silu_mlp_matches_float64(isa, dtype, rows, hidden, intermediate) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = _bf16(generator, rows, hidden, dtype=dtype)
+    gate, up, down = _mlp_weights(generator, hidden, intermediate, dtype)
+    got = cpu_native.skinny_silu_mlp(x, gate, up, down, isa=isa)
+    want = _mlp_float64(x, gate, up, down)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert (got.double() - want).abs().max() <= want.abs().max() * MLP_TOLERANCE[dtype] + 1e-6
+
+
+@DTYPES
+def test_several_experts_in_one_call(dtype) -> None:
+    # Experts on rows 0-2, 5, and 6-10, with rows 3-4 (another engine's) between them: those stay untouched.
+    # gate_up-style views (gate and up as two halves of one [2I, H] weight) as the fused path passes them.
+    generator = torch.Generator().manual_seed(5)
+    x = _bf16(generator, 11, 64, dtype=dtype)
+    experts = [_mlp_weights(generator, 64, 48, dtype) for _ in range(3)]
+    fused = torch.cat([experts[1][0], experts[1][1]])
+    gates = [experts[0][0], fused[:48], experts[2][0]]
+    ups = [experts[0][1], fused[48:], experts[2][1]]
+    downs = [e[2] for e in experts]
+    bounds = [0, 3, 5, 6, 6, 11]
+    out = torch.full_like(x, 7.0)
+    cpu_native.skinny_silu_experts(x, gates, ups, downs, bounds, out)
+    for j, expert in enumerate(experts):
+        rows = slice(bounds[2 * j], bounds[2 * j + 1])
+        want = _mlp_float64(x[rows], *expert)
+        assert (out[rows].double() - want).abs().max() <= want.abs().max() * MLP_TOLERANCE[dtype] + 1e-6
+    assert out[3:5].eq(7.0).all()
+    # The same numbers as one call per expert.
+    for j in range(3):
+        rows = slice(bounds[2 * j], bounds[2 * j + 1])
+        assert torch.equal(out[rows], cpu_native.skinny_silu_mlp(x[rows], gates[j], ups[j], downs[j]))
+
+
+def test_bad_expert_lists_name_the_problem() -> None:
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    gate = torch.ones(6, 8, dtype=torch.bfloat16)
+    down = torch.ones(8, 6, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="two row bounds each"):
+        cpu_native.skinny_silu_experts(x, [gate], [gate], [down], [0], out)
+    with pytest.raises(RuntimeError, match="not within the 4 rows"):
+        cpu_native.skinny_silu_experts(x, [gate], [gate], [down], [2, 5], out)
+    with pytest.raises(RuntimeError, match="expected gate and up"):
+        cpu_native.skinny_silu_experts(x, [gate], [gate], [gate], [0, 4], out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        cpu_native.skinny_silu_mlp(x, gate, gate, down, out[:2])

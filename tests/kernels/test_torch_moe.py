@@ -318,3 +318,33 @@ def test_weight_major_linear_expert_on_onednn_sized_weights() -> None:
         want = reference.linear_expert_mlp(x, gate, up, down, act, "row")
         got = reference.linear_expert_mlp(x, gate, up, down, act, "wm")
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# Engine "skinny" computes a SiLU MLP whole in layerswap's kernel; any other activation (or a SiLU something
+# could observe) runs the kernel's two GEMMs with the activation in torch between them.
+def test_what_counts_as_plain_silu() -> None:
+    from transformers.activations import ACT2FN
+
+    hooked = torch.nn.SiLU()
+    hooked.register_forward_hook(lambda *args: None)
+    own_forward = torch.nn.SiLU()
+    own_forward.forward = lambda x: x
+    assert reference._is_silu(torch.nn.functional.silu)
+    assert reference._is_silu(torch.nn.SiLU()) and reference._is_silu(ACT2FN["silu"])
+    assert not reference._is_silu(ACT2FN["gelu"]) and not reference._is_silu(torch.nn.functional.gelu)
+    assert not reference._is_silu(hooked) and not reference._is_silu(own_forward)
+
+
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_skinny_engine_with_any_activation(activation: str, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(7)
+    rows = torch.randn(3, 64, generator=generator).to(dtype)
+    gate_up = (torch.randn(96, 64, generator=generator) * 0.2).to(dtype)
+    down = (torch.randn(64, 48, generator=generator) * 0.2).to(dtype)
+    act = reference.resolve_activation(activation)
+    with torch.no_grad():
+        got = reference._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="skinny")
+        want = reference._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="row")
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)

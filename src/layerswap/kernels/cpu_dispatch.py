@@ -570,8 +570,9 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
     return lambda _, call_number: run(_experts_of_call(call_number, 1, num_experts))
 
 
-# layerswap's bf16 kernel is compute-bound from ~4 rows on (AVX512-BF16's dot product), where oneDNN's AMX or
-# blocked GEMMs win by 1.3-1.5x (measured on a Sapphire Rapids); past 8 rows timing it only costs calibration time.
+# layerswap's kernel is compute-bound from ~4 rows on (AVX512-BF16's dot product, fp32 FMAs), where oneDNN's AMX
+# or blocked GEMMs win by 1.3-1.5x (measured on a Sapphire Rapids); past 8 rows timing it only costs calibration
+# time.
 _SKINNY_MAX_ROWS = 8
 
 
@@ -580,7 +581,7 @@ def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
     if op == "mv":
         return rows == 1  # more rows run as "row", timed anyway
     if op == "skinny":
-        return dtype == torch.bfloat16 and rows <= _SKINNY_MAX_ROWS and cpu_native.available()
+        return dtype in torch_moe.SKINNY_DTYPES and rows <= _SKINNY_MAX_ROWS and cpu_native.available()
     return True
 
 

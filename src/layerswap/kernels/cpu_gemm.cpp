@@ -1,30 +1,40 @@
-// layerswap's hand-written CPU kernel: the skinny bf16 GEMM `out = x @ w.T` of an MoE expert with a few rows.
+// layerswap's hand-written CPU kernel: the skinny GEMM `out = x @ w.T` of an MoE expert with a few rows, in
+// bf16 or fp32.
 //
-// Why: at 1-3 rows an expert's GEMM is a pure weight stream. torch's bf16 engines (oneDNN's GEMM either way
-// round, torch.mv) read the weight at 70-85% of what the memory delivers; this loop reads it at 95%+ of a plain
-// AVX-512 read of the same bytes (measured on a 2-core Sapphire Rapids: 24.7 GB/s against 25.5 for the read,
-// 21.4 for torch.mv, 17.7 for stock's `x @ W.T`). From ~4 rows on it is compute-bound on AVX512-BF16's dot
-// product, where oneDNN's AMX path wins; the CPU dispatch (cpu_dispatch.py) measures which engine each row count
-// gets on this machine, so this kernel only runs where it is faster.
+// Why: at 1-3 rows an expert's GEMM is a pure weight stream, and every engine torch has leaves some of the
+// memory's bandwidth unused. Measured on a 2-core Sapphire Rapids, one 6.3 MB weight after another from memory:
+// - bf16, 1 row: this loop 24.7 GB/s; torch.mv 21.4; stock's `x @ W.T` 17.7; a plain AVX-512 read of the same
+//   bytes 25.5. At 2-3 rows 22.5 against 21 for oneDNN's weight-major GEMM.
+// - fp32 on -quant's separate 768-row projections, 1-3 rows: 27.1 / 26.2 / 25.6 GB/s against MKL's
+//   25.9 / 24.6 / 23.8 (a fused 1536-row projection, as stock runs it: 27.7 / 26.2 / 23.8).
+// From ~4 rows on it is compute-bound (AVX512-BF16's dot product), where oneDNN's AMX path wins; the CPU
+// dispatch (cpu_dispatch.py) measures which engine each row count gets on this machine, so this kernel only
+// runs where it is faster there.
 //
-// Math: out[m, n] = sum_k x[m, k] * w[n, k], bf16 operands, fp32 accumulation, one rounding to bf16 at the
-// end (round to nearest even), like torch's bf16 GEMM; only the order of the fp32 additions differs.
+// Math: out[m, n] = sum_k x[m, k] * w[n, k] with fp32 accumulation; bf16 output rounded once at the end (to
+// nearest even), like torch's bf16 GEMM. Only the order of the fp32 additions differs from torch's.
 // Threads: at::parallel_for over blocks of weight rows, so torch.set_num_threads (and a single-threaded worker
-// thread) applies. Compiled with -fopenmp but not linked to an OpenMP runtime: GOMP_* resolve to the one
-// torch itself loaded, so both share one thread pool.
+// thread) applies; each output element is summed by one thread in a fixed order, whatever the thread count.
+// Compiled with -fopenmp but not linked to an OpenMP runtime: GOMP_* resolve to the one torch itself loaded,
+// so both share one thread pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kIsaAvx2 = 1;        // AVX2 + FMA: bf16 widened to fp32, fused multiply-add
-constexpr int64_t kIsaAvx512Bf16 = 2;  // AVX512-BF16: vdpbf16ps, two products per fp32 lane
-constexpr int64_t kPrefetchElements = 256;  // 512 bytes (8 cache lines) ahead of each weight row's loads
+constexpr int64_t kIsaAvx2 = 1;        // AVX2 + FMA (bf16 widened to fp32)
+constexpr int64_t kIsaAvx512Bf16 = 2;  // AVX-512 with BF16: vdpbf16ps, two products per fp32 lane
+constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight row's loads
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -43,70 +53,95 @@ inline uint16_t round_to_bf16(float value) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// out[m, n] = sum_k x[m, k] * w[n, k] for m < rows, n < columns, k < depth; Elem is uint16_t (bf16) or float.
+// With `out_fp32` set, the sums are written there unrounded instead (same ldo): the gated MLP's gate and up.
+template <class Elem>
 struct Problem {
-  const uint16_t* x;
-  const uint16_t* w;
-  uint16_t* out;
-  int64_t ldx, ldw, ldo, rows, columns, depth;  // M, N, K
+  const Elem* x;
+  const Elem* w;
+  Elem* out;
+  int64_t ldx, ldw, ldo, rows, columns, depth;
+  float* out_fp32 = nullptr;
 };
 
-// --- AVX512-BF16 --------------------------------------------------------------------------------------------
+inline float to_float(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+inline float to_float(float value) { return value; }
+inline void store(uint16_t* target, float value) { *target = round_to_bf16(value); }
+inline void store(float* target, float value) { *target = value; }
 
-// An MB x NB tile of `out`: MB input rows against NB weight rows, 32 bf16 of depth per step.
-template <int MB, int NB>
+// Finishes one output element: the vector lanes' sum, plus the depth past the last full vector (real layers
+// have none; odd test shapes do).
+template <class Elem>
+inline void finish(const Problem<Elem>& p, int64_t m, int64_t n, int64_t k, float lanes_sum) {
+  for (; k < p.depth; ++k) lanes_sum += to_float(p.x[m * p.ldx + k]) * to_float(p.w[n * p.ldw + k]);
+  if (p.out_fp32) p.out_fp32[m * p.ldo + n] = lanes_sum;
+  else store(p.out + m * p.ldo + n, lanes_sum);
+}
+
+// --- AVX-512 (bf16 through AVX512-BF16's vdpbf16ps, fp32 through FMA) ---------------------------------------
+
+// An MB x NB tile of `out`: MB input rows against NB weight rows, one 64-byte vector of depth per step.
+template <class Elem, int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
-    const Problem& p, int64_t m, int64_t n) {
+    const Problem<Elem>& p, int64_t m, int64_t n) {
+  constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
+  constexpr int64_t kStep = 64 / sizeof(Elem);
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint16_t* x = p.x + m * p.ldx;
-  const uint16_t* w = p.w + n * p.ldw;
+  const Elem* x = p.x + m * p.ldx;
+  const Elem* w = p.w + n * p.ldw;
   int64_t k = 0;
-  for (; k + 32 <= p.depth; k += 32) {
+  for (; k + kStep <= p.depth; k += kStep) {
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = _mm512_loadu_si512(w + j * p.ldw + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k + kPrefetchElements), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
     }
     for (int i = 0; i < MB; ++i) {
       const __m512i xv = _mm512_loadu_si512(x + i * p.ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
-    }
-  }
-  if (k < p.depth) {  // depth not a multiple of 32: masked loads read zeros past the end
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (p.depth - k)) - 1);
-    __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_epi16(mask, w + j * p.ldw + k);
-    for (int i = 0; i < MB; ++i) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + i * p.ldx + k);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+      for (int j = 0; j < NB; ++j) {
+        if constexpr (kBf16)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+        else
+          acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(xv), _mm512_castsi512_ps(wv[j]), acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j)
-      p.out[(m + i) * p.ldo + n + j] = round_to_bf16(_mm512_reduce_add_ps(acc[i][j]));
+    for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, _mm512_reduce_add_ps(acc[i][j]));
 }
 
 // Every input row against NB weight rows: MB rows at a time, the weight rows staying in L1 between them.
-template <int NB, int MB>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const Problem& p, int64_t n) {
+template <class Elem, int NB, int MB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const Problem<Elem>& p, int64_t n) {
   int64_t m = 0;
-  for (; m + MB <= p.rows; m += MB) tile_avx512<MB, NB>(p, m, n);
+  for (; m + MB <= p.rows; m += MB) tile_avx512<Elem, MB, NB>(p, m, n);
   switch (p.rows - m) {  // the remaining rows (fewer than MB <= 6)
-    case 5: tile_avx512<5, NB>(p, m, n); break;
-    case 4: tile_avx512<4, NB>(p, m, n); break;
-    case 3: tile_avx512<3, NB>(p, m, n); break;
-    case 2: tile_avx512<2, NB>(p, m, n); break;
-    case 1: tile_avx512<1, NB>(p, m, n); break;
+    case 5: tile_avx512<Elem, 5, NB>(p, m, n); break;
+    case 4: tile_avx512<Elem, 4, NB>(p, m, n); break;
+    case 3: tile_avx512<Elem, 3, NB>(p, m, n); break;
+    case 2: tile_avx512<Elem, 2, NB>(p, m, n); break;
+    case 1: tile_avx512<Elem, 1, NB>(p, m, n); break;
     default: break;
   }
 }
 
-// --- AVX2 + FMA ---------------------------------------------------------------------------------------------
+// --- AVX2 + FMA (bf16 widened to fp32 in registers) ---------------------------------------------------------
 
-__attribute__((target("avx2,fma"))) inline __m256 widen_bf16(const uint16_t* source) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+template <class Elem>
+__attribute__((target("avx2,fma"))) inline __m256 load8(const Elem* source) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    return _mm256_loadu_ps(source);
+  } else {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
 }
 
 __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
@@ -115,49 +150,37 @@ __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-inline float widen_one(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof result);
-  return result;
-}
-
-template <int MB, int NB>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem& p, int64_t m, int64_t n) {
+template <class Elem, int MB, int NB>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p, int64_t m, int64_t n) {
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const uint16_t* x = p.x + m * p.ldx;
-  const uint16_t* w = p.w + n * p.ldw;
+  const Elem* x = p.x + m * p.ldx;
+  const Elem* w = p.w + n * p.ldw;
   int64_t k = 0;
   for (; k + 8 <= p.depth; k += 8) {
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = widen_bf16(w + j * p.ldw + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k + kPrefetchElements), _MM_HINT_T0);
+      wv[j] = load8(w + j * p.ldw + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
     }
     for (int i = 0; i < MB; ++i) {
-      const __m256 xv = widen_bf16(x + i * p.ldx + k);
+      const __m256 xv = load8(x + i * p.ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      float total = sum_lanes(acc[i][j]);
-      for (int64_t t = k; t < p.depth; ++t)  // depth not a multiple of 8
-        total += widen_one(x[i * p.ldx + t]) * widen_one(w[j * p.ldw + t]);
-      p.out[(m + i) * p.ldo + n + j] = round_to_bf16(total);
-    }
+    for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, sum_lanes(acc[i][j]));
 }
 
-template <int NB>
-__attribute__((target("avx2,fma"))) void columns_avx2(const Problem& p, int64_t n) {
+template <class Elem, int NB>
+__attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, int64_t n) {
   constexpr int MB = 3;  // 3 x 4 accumulators + 4 weight vectors + 1 input vector fit the 16 ymm registers
   int64_t m = 0;
-  for (; m + MB <= p.rows; m += MB) tile_avx2<MB, NB>(p, m, n);
+  for (; m + MB <= p.rows; m += MB) tile_avx2<Elem, MB, NB>(p, m, n);
   switch (p.rows - m) {
-    case 2: tile_avx2<2, NB>(p, m, n); break;
-    case 1: tile_avx2<1, NB>(p, m, n); break;
+    case 2: tile_avx2<Elem, 2, NB>(p, m, n); break;
+    case 1: tile_avx2<Elem, 1, NB>(p, m, n); break;
     default: break;
   }
 }
@@ -165,49 +188,156 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const Problem& p, int64_t 
 // --- the operator -------------------------------------------------------------------------------------------
 
 // Weight rows per block: 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth measured);
-// from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers.
-template <int NB>
-void run_block(const Problem& p, int64_t isa, int64_t n) {
+// from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16 registers:
+// 4 weight rows x 3 input rows.
+template <class Elem, int NB>
+void run_block(const Problem<Elem>& p, int64_t isa, int64_t n) {
   if (isa == kIsaAvx512Bf16) {
-    if constexpr (NB == 8) columns_avx512<NB, 3>(p, n);
-    else columns_avx512<NB, 6>(p, n);
+    if constexpr (NB == 8) columns_avx512<Elem, NB, 3>(p, n);
+    else columns_avx512<Elem, NB, 6>(p, n);
   } else {
-    columns_avx2<NB>(p, n);
+    if constexpr (NB <= 4) columns_avx2<Elem, NB>(p, n);
   }
 }
 
+// Weight rows [first_row, last_row) of `p`, in blocks: `block` rows (a multiple of 4: 8 or 4), then one by one.
+template <class Elem>
+void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
+  const int64_t block = (isa == kIsaAvx512Bf16 && p.rows <= 3) ? 8 : 4;
+  int64_t n = first_row;
+  for (; n + block <= last_row; n += block) {
+    if (block == 8) run_block<Elem, 8>(p, isa, n);
+    else run_block<Elem, 4>(p, isa, n);
+  }
+  for (; n < last_row; ++n) run_block<Elem, 1>(p, isa, n);
+}
+
+// 128 weight rows per task at least: a thread's share is then worth waking it for. Tasks start at multiples of
+// 8 rows, so every block but the last is whole.
+constexpr int64_t kRowsPerTask = 128;
+constexpr int64_t kRowAlignment = 8;
+
+template <class Elem>
+void run(const Problem<Elem>& p, int64_t isa) {
+  if (p.rows == 0 || p.columns == 0) return;
+  const int64_t units = (p.columns + kRowAlignment - 1) / kRowAlignment;
+  at::parallel_for(0, units, kRowsPerTask / kRowAlignment, [&](int64_t first, int64_t last) {
+    run_rows(p, isa, first * kRowAlignment, std::min(last * kRowAlignment, p.columns));
+  });
+}
+
+template <class Elem>
+Problem<Elem> problem(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out) {
+  return Problem<Elem>{reinterpret_cast<const Elem*>(x.data_ptr()),
+                       reinterpret_cast<const Elem*>(w.data_ptr()),
+                       reinterpret_cast<Elem*>(out.data_ptr()),
+                       x.stride(0), w.stride(0), out.stride(0), x.size(0), w.size(0), x.size(1)};
+}
+
+inline float silu(float value) { return value / (1.0f + std::exp(-value)); }
+
+// out = down(silu(gate(x)) * up(x)): gate and up rows are computed by the same thread, block by block, so the
+// SiLU product is formed from their fp32 sums in cache (one rounding to Elem, where torch's separate calls round
+// gate, up, SiLU and the product each), then the down projection reads the [M, I] hidden rows. `first_row` and
+// `rows` select the rows of x and out.
+template <class Elem>
+void run_silu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                  const at::Tensor& out, int64_t first_row, int64_t rows, int64_t isa) {
+  if (rows == 0) return;
+  const int64_t intermediate = gate.size(0);
+  std::vector<float> gate_sums(rows * intermediate), up_sums(rows * intermediate);
+  std::vector<Elem> hidden(rows * intermediate);
+  Problem<Elem> gate_problem = problem<Elem>(x, gate, out);
+  gate_problem.x += first_row * gate_problem.ldx;
+  gate_problem.rows = rows;
+  Problem<Elem> up_problem = gate_problem;
+  up_problem.w = reinterpret_cast<const Elem*>(up.data_ptr());
+  up_problem.ldw = up.stride(0);
+  gate_problem.out_fp32 = gate_sums.data();
+  up_problem.out_fp32 = up_sums.data();
+  gate_problem.ldo = up_problem.ldo = intermediate;
+  const int64_t units = (intermediate + kRowAlignment - 1) / kRowAlignment;
+  // Half the rows per task of a plain GEMM: each task streams two weights.
+  at::parallel_for(0, units, kRowsPerTask / kRowAlignment / 2, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * kRowAlignment, end = std::min(last * kRowAlignment, intermediate);
+    run_rows(gate_problem, isa, begin, end);
+    run_rows(up_problem, isa, begin, end);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t at = m * intermediate + n;
+        store(hidden.data() + at, silu(gate_sums[at]) * up_sums[at]);
+      }
+  });
+  const Problem<Elem> down_problem{hidden.data(),
+                                   reinterpret_cast<const Elem*>(down.data_ptr()),
+                                   reinterpret_cast<Elem*>(out.data_ptr()) + first_row * out.stride(0),
+                                   intermediate, down.stride(0), out.stride(0), rows, down.size(0), intermediate};
+  run(down_problem, isa);
+}
+
+void check_operands(const char* op, const std::vector<const at::Tensor*>& tensors, int64_t isa) {
+  const auto dtype = tensors.front()->scalar_type();
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && t->scalar_type() == dtype, op,
+                ": every operand must be bfloat16, or every one float32; got ", dtype, " and ", t->scalar_type());
+    TORCH_CHECK(t->device().is_cpu(), op, ": CPU tensors only, got one on ", t->device());
+    TORCH_CHECK(t->dim() == 2, op, ": every operand must be 2-D, got one of shape ", t->sizes());
+    TORCH_CHECK(t->stride(1) == 1, op, ": the last dimension of every operand must be contiguous");
+  }
+  TORCH_CHECK(isa_supported(isa), op, ": instruction set ", isa, " is not supported by this CPU");
+}
+
 void skinny_mm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, int64_t isa) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "skinny_mm: x, w and out must be bfloat16, got ", x.scalar_type(), ", ", w.scalar_type(), ", ",
-              out.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && out.device().is_cpu(), "skinny_mm: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "skinny_mm: x, w and out must be 2-D");
+  check_operands("skinny_mm", {&x, &w, &out}, isa);
   TORCH_CHECK(x.size(1) == w.size(1), "skinny_mm: x is ", x.sizes(), " but w is ", w.sizes(),
               ": their last dimensions must match");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.size(0), "skinny_mm: out must be [", x.size(0), ", ",
               w.size(0), "], got ", out.sizes());
-  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1,
-              "skinny_mm: the last dimension of x, w and out must be contiguous");
-  TORCH_CHECK(isa_supported(isa), "skinny_mm: instruction set ", isa, " is not supported by this CPU");
-  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                  reinterpret_cast<const uint16_t*>(w.data_ptr()),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()),
-                  x.stride(0), w.stride(0), out.stride(0), x.size(0), w.size(0), x.size(1)};
-  if (p.rows == 0 || p.columns == 0) return;
-  const int64_t block = (isa == kIsaAvx512Bf16 && p.rows <= 3) ? 8 : 4;
-  const int64_t blocks = p.columns / block;
-  // 16 blocks (64-128 weight rows) per task at least: a thread's share is then worth waking it for.
-  at::parallel_for(0, blocks + 1, 16, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      if (b < blocks) {
-        if (block == 8) run_block<8>(p, isa, b * block);
-        else run_block<4>(p, isa, b * block);
-      } else {  // the last columns % block weight rows, one at a time
-        for (int64_t n = blocks * block; n < p.columns; ++n) run_block<1>(p, isa, n);
-      }
-    }
-  });
+  if (x.scalar_type() == at::kBFloat16) run(problem<uint16_t>(x, w, out), isa);
+  else run(problem<float>(x, w, out), isa);
+}
+
+void check_expert(const char* op, const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
+                  const at::Tensor& down) {
+  const int64_t hidden = x.size(1), intermediate = gate.size(0);
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.size(1) == hidden && down.size(0) == hidden &&
+                  down.size(1) == intermediate,
+              op, ": expected gate and up [I, H] and down [H, I] for x [M, H] = ", x.sizes(), ", got gate ",
+              gate.sizes(), ", up ", up.sizes(), ", down ", down.sizes());
+}
+
+void skinny_silu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                     at::Tensor out, int64_t isa) {
+  check_operands("skinny_silu_mlp", {&x, &gate, &up, &down, &out}, isa);
+  check_expert("skinny_silu_mlp", x, gate, up, down);
+  TORCH_CHECK(out.sizes() == x.sizes(), "skinny_silu_mlp: out must be ", x.sizes(), ", got ", out.sizes());
+  if (x.scalar_type() == at::kBFloat16) run_silu_mlp<uint16_t>(x, gate, up, down, out, 0, x.size(0), isa);
+  else run_silu_mlp<float>(x, gate, up, down, out, 0, x.size(0), isa);
+}
+
+// Several experts in one call (no Python between them): expert j runs on rows [bounds[2j], bounds[2j + 1]) of x
+// and writes the same rows of out.
+void skinny_silu_experts(const at::Tensor& x, at::TensorList gates, at::TensorList ups, at::TensorList downs,
+                         at::IntArrayRef bounds, at::Tensor out, int64_t isa) {
+  const size_t experts = gates.size();
+  TORCH_CHECK(ups.size() == experts && downs.size() == experts && bounds.size() == 2 * experts,
+              "skinny_silu_experts: expected as many gates, ups and downs as experts and two row bounds each, got ",
+              gates.size(), ", ", ups.size(), ", ", downs.size(), " and ", bounds.size());
+  TORCH_CHECK(out.sizes() == x.sizes(), "skinny_silu_experts: out must be ", x.sizes(), ", got ", out.sizes());
+  std::vector<const at::Tensor*> operands{&x, &out};
+  for (size_t j = 0; j < experts; ++j) {
+    operands.insert(operands.end(), {&gates[j], &ups[j], &downs[j]});
+    check_expert("skinny_silu_experts", x, gates[j], ups[j], downs[j]);
+    TORCH_CHECK(0 <= bounds[2 * j] && bounds[2 * j] <= bounds[2 * j + 1] && bounds[2 * j + 1] <= x.size(0),
+                "skinny_silu_experts: expert ", j, "'s rows [", bounds[2 * j], ", ", bounds[2 * j + 1],
+                ") are not within the ", x.size(0), " rows of x");
+  }
+  check_operands("skinny_silu_experts", operands, isa);
+  for (size_t j = 0; j < experts; ++j) {
+    const int64_t first = bounds[2 * j], rows = bounds[2 * j + 1] - bounds[2 * j];
+    if (x.scalar_type() == at::kBFloat16) run_silu_mlp<uint16_t>(x, gates[j], ups[j], downs[j], out, first, rows, isa);
+    else run_silu_mlp<float>(x, gates[j], ups[j], downs[j], out, first, rows, isa);
+  }
 }
 
 }  // namespace
@@ -217,5 +347,10 @@ void skinny_mm(const at::Tensor& x, const at::Tensor& w, at::Tensor out, int64_t
 #define LAYERSWAP_LIBRARY(name, module) TORCH_LIBRARY(name, module)
 LAYERSWAP_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_mm(Tensor x, Tensor w, Tensor(a!) out, int isa) -> ()", &skinny_mm);
+  m.def("skinny_silu_mlp(Tensor x, Tensor gate, Tensor up, Tensor down, Tensor(a!) out, int isa) -> ()",
+        &skinny_silu_mlp);
+  m.def("skinny_silu_experts(Tensor x, Tensor[] gates, Tensor[] ups, Tensor[] downs, int[] bounds, "
+        "Tensor(a!) out, int isa) -> ()",
+        &skinny_silu_experts);
   m.def("isa_supported(int isa) -> bool", &isa_supported);
 }

@@ -26,14 +26,15 @@ measures per machine (`cpu_dispatch`):
 - "mv": a GEMV per projection (one row only; more rows fall back to "row");
 - "row": `x @ W.T`;
 - "wm": weight-major `(W @ x.T).T` (oneDNN for large fp32 weights);
-- "skinny": layerswap's own bf16 kernel (`cpu_native`, built on first use), which streams the weight at ~95%
-  of the memory's read bandwidth for 1-3 rows; fp32/fp16, or where the kernel cannot be built, run as "wm".
+- "skinny": layerswap's own kernel (`cpu_native`, built on first use) for bf16 and fp32, which streams the
+  weight at ~95% of the memory's read bandwidth for 1-3 rows; fp16, or where the kernel cannot be built, runs
+  as "wm".
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 
 import torch
@@ -106,13 +107,61 @@ def resolve_activation(activation: Activation) -> Callable[[torch.Tensor], torch
         ) from None
 
 
+SKINNY_DTYPES = (torch.bfloat16, torch.float32)  # what layerswap's kernel computes
+
+
+# SiLU modules whose forward is F.silu: torch's, and transformers' ACT2FN["silu"] (named, not imported: kernels/
+# does not import transformers).
+_SILU_MODULES = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
+
+
+def _is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `act` is plain SiLU, which the kernel computes inside its gated-MLP call: F.silu, or a SiLU module
+    with no hook and no forward of its own set on it (a hook would not see the kernel's SiLU)."""
+    if act is F.silu:
+        return True
+    kind = type(act)
+    return (
+        (kind.__module__, kind.__qualname__) in _SILU_MODULES
+        and not act._forward_hooks
+        and not act._forward_pre_hooks
+        and "forward" not in act.__dict__
+    )
+
+
 def skinny_applies(inputs: torch.Tensor, weight: torch.Tensor, differentiable: bool) -> bool:
     """Whether engine "skinny" runs layerswap's kernel on these operands (else it runs as "wm")."""
     return (
         not differentiable
-        and inputs.dtype == weight.dtype == torch.bfloat16
+        and inputs.dtype == weight.dtype
+        and inputs.dtype in SKINNY_DTYPES
         and inputs.device.type == "cpu"
         and cpu_native.available()
+    )
+
+
+def batches_on_kernel(
+    inputs: torch.Tensor,
+    weights: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor],
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> bool:
+    """Whether an expert on engine "skinny" with these (gate or None, up, down) weights joins one kernel call with
+    the layer's other such experts (`linear_experts_on_kernel`): a gated SiLU MLP the kernel computes whole."""
+    return (
+        weights[0] is not None and _is_silu(act) and skinny_applies(inputs, weights[1], differentiable=False)
+    )
+
+
+def linear_experts_on_kernel(
+    rows: torch.Tensor,
+    weights: Sequence[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]],
+    bounds: Sequence[int],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) of several experts held as separate projections, in one kernel call: expert j
+    (`weights[j]`, each passing `batches_on_kernel`) on rows `bounds[2j]:bounds[2j + 1]` of `rows`, into `out`."""
+    return cpu_native.skinny_silu_experts(
+        rows, [w[0] for w in weights], [w[1] for w in weights], [w[2] for w in weights], bounds, out
     )
 
 
@@ -151,6 +200,9 @@ def _expert_mlp(
             op = "mv" if rows.shape[0] == 1 else "row"
     if op == "skinny":
         if skinny_applies(rows, gate_up, differentiable):
+            if _is_silu(act):
+                gate, up = gate_up[:intermediate], gate_up[intermediate:]
+                return cpu_native.skinny_silu_mlp(rows, gate, up, down, out)
             gate_up_out = cpu_native.skinny_mm(rows, gate_up)
             hidden = act(gate_up_out[:, :intermediate]) * gate_up_out[:, intermediate:]
             return cpu_native.skinny_mm(hidden, down, out)
@@ -192,10 +244,12 @@ def linear_expert_mlp(
     """down(act(gate(rows)) * up(rows)) (down(act(up(rows))) without a gate) for one expert whose projections are
     separate weights (`gate`, `up` [I, H], `down` [H, I], no bias): [m, H] -> [m, H], on engine `op` of
     `LINEAR_EXPERT_OPS`. "row" computes exactly what the three nn.Linear calls compute; "mv" (one row) and
-    "wm" (weight-major, `(W @ x.T).T`) and "skinny" (bf16; else as "wm") are the engines `_expert_mlp` runs
+    "wm" (weight-major, `(W @ x.T).T`) and "skinny" (bf16/fp32; else as "wm") are the engines `_expert_mlp` runs
     on fused weights."""
     if op == "skinny":
         if skinny_applies(rows, up, differentiable=False):
+            if gate is not None and _is_silu(act):
+                return cpu_native.skinny_silu_mlp(rows, gate, up, down)
             up_out = cpu_native.skinny_mm(rows, up)
             hidden = act(up_out) if gate is None else act(cpu_native.skinny_mm(rows, gate)) * up_out
             return cpu_native.skinny_mm(hidden, down)
@@ -249,6 +303,27 @@ def _gemv_experts_grouped(
     return out.index_copy_(0, index, result)
 
 
+def _skinny_experts(
+    sorted_rows: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    experts: list[int],
+    starts: list[int],
+    out: torch.Tensor,
+) -> None:
+    """The SiLU MLP of `experts` on layerswap's kernel, in one call: expert e on rows starts[e]:starts[e + 1]."""
+    intermediate = down_proj.shape[2]
+    gate_ups = [gate_up_proj[e] for e in experts]
+    cpu_native.skinny_silu_experts(
+        sorted_rows,
+        [gate_up[:intermediate] for gate_up in gate_ups],
+        [gate_up[intermediate:] for gate_up in gate_ups],
+        [down_proj[e] for e in experts],
+        [bound for e in experts for bound in (starts[e], starts[e + 1])],
+        out,
+    )
+
+
 def _all_experts(
     sorted_rows: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -276,13 +351,19 @@ def _all_experts(
     expert_out = torch.empty_like(sorted_rows)
     out_slices = expert_out.split(sizes)
 
+    batch_skinny = _is_silu(act) and skinny_applies(sorted_rows, gate_up_proj, differentiable=False)
+    starts = list(accumulate(sizes, initial=0)) if batch_skinny else []
+
     def run(experts: list[int]) -> None:
         grouped = [e for e in experts if op_of[e] == "grouped"] if can_group else []
         if grouped:
             _gemv_experts_grouped(sorted_rows, gate_up_proj, down_proj, act, sizes, grouped, expert_out)
+        skinny = [e for e in experts if op_of[e] == "skinny"] if batch_skinny else []
+        if skinny:
+            _skinny_experts(sorted_rows, gate_up_proj, down_proj, skinny, starts, expert_out)
         for e in experts:
             op = op_of[e]
-            if op == "grouped" and can_group:
+            if (op == "grouped" and can_group) or (op == "skinny" and batch_skinny):
                 continue  # done above, in one call
             op = "row" if op == "grouped" else op  # no grouped GEMM in this torch
             _expert_mlp(slices[e], gate_up_proj[e], down_proj[e], act, out=out_slices[e], op=op)

@@ -339,7 +339,7 @@ def forced_engine(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("engine", ["mv", "wm"])
+@pytest.mark.parametrize("engine", ["mv", "wm", "skinny"])
 @pytest.mark.parametrize("family", ENGINE_FAMILIES, ids=lambda f: f.model_type)
 def test_no_grad_calls_on_each_engine_match_stock(family, engine, dtype, forced_engine, monkeypatch):
     forced_engine(engine)
@@ -362,6 +362,14 @@ def _engine_calls(monkeypatch):
     calls = []
     real = torch_moe.linear_expert_mlp
     monkeypatch.setattr(torch_moe, "linear_expert_mlp", lambda *a: calls.append(a[-1]) or real(*a))
+    # SiLU experts on layerswap's kernel run together, in one call: one "skinny" per expert in it.
+    real_batch = torch_moe.linear_experts_on_kernel
+
+    def on_kernel(rows, weights, bounds, out):
+        calls.extend(["skinny"] * len(weights))
+        return real_batch(rows, weights, bounds, out)
+
+    monkeypatch.setattr(torch_moe, "linear_experts_on_kernel", on_kernel)
     return calls
 
 
@@ -424,9 +432,10 @@ OBSERVERS = {
 }
 
 
+@pytest.mark.parametrize("engine", ["wm", "skinny"])  # skinny: the plain experts run in one kernel call
 @pytest.mark.parametrize("observer", list(OBSERVERS))
-def test_an_observed_or_changed_expert_runs_its_modules(observer, forced_engine, monkeypatch):
-    forced_engine("wm")
+def test_an_observed_or_changed_expert_runs_its_modules(observer, engine, forced_engine, monkeypatch):
+    forced_engine(engine)
     calls = _engine_calls(monkeypatch)
     _, linear, _ = _stock_and_linear(ENGINE_FAMILIES[0])
     OBSERVERS[observer](linear[0], linear.expert_names)

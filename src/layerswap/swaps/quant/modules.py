@@ -366,7 +366,9 @@ class LinearExperts(nn.ModuleList):
         rows = hidden_states[token_of_pair]
         chunk_size = self._all_experts_chunk_size()
         ops = self._cpu_engines(rows) if chunk_size is None else None
-        outputs = []
+        outputs: list[torch.Tensor | None] = []
+        on_kernel: list[tuple[int, cpu_dispatch.ExpertWeights]] = []  # (index in outputs, weights)
+        bounds: list[int] = []
         start = 0
         for expert_index, count in enumerate(counts[: self.num_experts]):
             if count:
@@ -377,9 +379,19 @@ class LinearExperts(nn.ModuleList):
                 weights = expert.plain_projections(piece.dtype) if plain else None
                 if weights is None:
                     outputs.append(expert(piece))
+                elif op == "skinny" and torch_moe.batches_on_kernel(piece, weights, expert.act_fn):
+                    on_kernel.append((len(outputs), weights))  # below, with the others, in one call
+                    bounds += (start, start + count)
+                    outputs.append(None)
                 else:
                     outputs.append(torch_moe.linear_expert_mlp(piece, *weights, expert.act_fn, op))
             start += count
+        if on_kernel:
+            kernel_out = torch_moe.linear_experts_on_kernel(
+                rows, [weights for _, weights in on_kernel], bounds, torch.empty_like(rows)
+            )
+            for number, (position, _) in enumerate(on_kernel):
+                outputs[position] = kernel_out[bounds[2 * number] : bounds[2 * number + 1]]
         if outputs:
             weighted = torch.cat(outputs) * weight_of_pair
             output.index_add_(0, token_of_pair, weighted.to(output.dtype))

@@ -576,6 +576,13 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
 _SKINNY_MAX_ROWS = 8
 
 
+# -quant's experts keep nn.Linear's own `x @ W.T` from 16 rows on. There an expert's three GEMMs are compute-heavy,
+# and an engine that wins timed alone can lose in the layer, where stock's fused GEMMs are the reference: Qwen3-30B
+# fp32 at 512 tokens (AVX2-capped Xeon) ran 1.25-1.29x stock with the weight-major GEMM the calibration picked
+# for 32-63 rows, 1.09x on nn.Linear's own.
+_LINEAR_COMPARE_UP_TO = 8
+
+
 def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
     """Whether engine `op` is a candidate for experts with `rows` rows of `dtype`."""
     if op == "mv":
@@ -592,15 +599,19 @@ def _fastest_engines(
     num_experts: int,
     hidden: int,
     dtype: torch.dtype,
+    compare_up_to: int = _NEVER,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
     """The fastest of `ops` at each row-count class (1, 2, 4, ... 64 rows), timed interleaved on single experts
     (`engine(op, rows)` returns a function that runs the expert it is given on engine `op`; each call runs the
     next expert of the layer, whose weights come from memory, none from a warm cache). `reference` is kept
-    unless another engine beats it by the margin."""
+    unless another engine beats it by the margin; from more than `compare_up_to` rows on it is kept untimed."""
     generator = torch.Generator().manual_seed(0)
     chosen, medians = [], {}
     with torch.no_grad():
         for m in _ENGINE_ROWS:
+            if m > compare_up_to:
+                chosen.append(reference)
+                continue
             rows = _random_rows(generator, m, hidden, dtype)
             candidates = [op for op in ops if _worth_timing(op, m, dtype)]
             calls = {f"{op}@{m}": _on_next_expert(engine(op, rows), num_experts) for op in candidates}
@@ -916,7 +927,13 @@ def _linear_expert_ops(
                 return lambda e: torch_moe.linear_expert_mlp(rows, *experts[e], act, op)
 
             ops, medians = _fastest_engines(
-                torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype
+                torch_moe.LINEAR_EXPERT_OPS,
+                "row",
+                engine,
+                len(experts),
+                hidden,
+                dtype,
+                compare_up_to=_LINEAR_COMPARE_UP_TO,
             )
             plan = Plan("layerswap", ops=ops, source="calibrated")
             logger.debug("layerswap: CPU engines for %s: %s (median ms %s)", key, ops, medians)

@@ -4,20 +4,22 @@ float64 reference on the shapes that reach each of its code paths, its errors, a
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from layerswap.kernels import cpu_native, torch_moe
+from layerswap.kernels import _workers, cpu_native, torch_moe
 
 
 @pytest.fixture
 def fresh_kernel_state():
     """Forget the loaded kernel (and its availability) before and after: the test sets its own conditions."""
-    cpu_native._load.cache_clear()
+    cpu_native._build_or_load.cache_clear()
     yield
-    cpu_native._load.cache_clear()
+    cpu_native._build_or_load.cache_clear()
 
 
 def test_builds_on_this_machine() -> None:
@@ -105,6 +107,24 @@ def test_same_bits_on_any_thread_count(dtype: torch.dtype) -> None:
     assert torch.equal(alone, shared)
 
 
+def test_a_single_threaded_worker_stays_single_threaded_after_the_kernel() -> None:
+    # at::parallel_for compiled into the kernel once reset a worker thread to the process-wide thread count on
+    # its first call there: every expert worker then ran 2-thread GEMMs side by side for the rest of the process.
+    generator = torch.Generator().manual_seed(4)
+    x, w = _bf16(generator, 1, 256), _bf16(generator, 1024, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = x.float() @ w.float().T
+        ran = _workers.run_split(lambda group: cpu_native.skinny_mm(x, w), [[0], [1]], workers=2)
+        for out in ran:
+            assert torch.allclose(out.float(), expected, rtol=2**-7, atol=2**-7 * expected.abs().max().item())
+        assert _workers.run_split(lambda group: torch.get_num_threads(), [[0], [1]], workers=2) == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_empty_inputs() -> None:
     w = torch.ones(8, 16, dtype=torch.bfloat16)
     assert cpu_native.skinny_mm(torch.ones(0, 16, dtype=torch.bfloat16), w).shape == (0, 8)
@@ -157,7 +177,7 @@ def test_aten_cpu_capability_caps_the_kernel_too(fresh_kernel_state, monkeypatch
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert cpu_native.supported_isas() == ("avx2",)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    cpu_native._load.cache_clear()
+    cpu_native._build_or_load.cache_clear()
     assert not cpu_native.available()
     assert "none of" in cpu_native.why_unavailable()
 
@@ -176,6 +196,31 @@ def test_disabled_kernel_falls_back_to_weight_major(fresh_kernel_state, monkeypa
         skinny = torch_moe._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="skinny")
         wm = torch_moe._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="wm")
     assert torch.equal(skinny, wm)
+
+
+def test_first_calls_from_two_threads_at_once_load_one_kernel() -> None:
+    # The expert workers' first kernel calls come together. Two concurrent loads once made torch's loader
+    # version the second library (`<name>_v1`): a second build, and in a fresh process the ops missing where
+    # they were looked up. Fresh processes: one builds the library, then one where nothing is loaded yet.
+    script = (
+        "import threading\n"
+        "from layerswap.kernels import cpu_native\n"
+        "barrier, kernels = threading.Barrier(2), []\n"
+        "def first_call():\n"
+        "    barrier.wait()\n"
+        "    kernels.append(cpu_native._load())\n"
+        "threads = [threading.Thread(target=first_call) for _ in range(2)]\n"
+        "[thread.start() for thread in threads]\n"
+        "[thread.join() for thread in threads]\n"
+        "assert kernels[0] is kernels[1], kernels\n"
+        "assert cpu_native.available(), cpu_native.why_unavailable()\n"
+    )
+    build = "from layerswap.kernels import cpu_native\nassert cpu_native.available()\n"
+    subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, timeout=300)
+    built = cpu_native._build_dir(cpu_native.extension_name())  # this test's cache dir (conftest)
+    libraries = sorted(built.glob("*.so"))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+    assert sorted(built.glob("*.so")) == libraries  # nothing built again
 
 
 def test_a_failed_build_warns_and_leaves_torchs_engines(fresh_kernel_state, monkeypatch, caplog) -> None:

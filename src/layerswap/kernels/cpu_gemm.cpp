@@ -13,13 +13,14 @@
 //
 // Math: out[m, n] = sum_k x[m, k] * w[n, k] with fp32 accumulation; bf16 output rounded once at the end (to
 // nearest even), like torch's bf16 GEMM. Only the order of the fp32 additions differs from torch's.
-// Threads: at::parallel_for over blocks of weight rows, so torch.set_num_threads (and a single-threaded worker
-// thread) applies; each output element is summed by one thread in a fixed order, whatever the thread count.
-// Compiled with -fopenmp but not linked to an OpenMP runtime: GOMP_* resolve to the one torch itself loaded,
-// so both share one thread pool.
+// Threads: an OpenMP loop over blocks of weight rows, as many threads as torch.get_num_threads() gives the
+// calling thread, so torch.set_num_threads (and a single-threaded worker thread) applies; each output element is
+// summed by one thread in a fixed order, whatever the thread count. Compiled with -fopenmp but not linked to an
+// OpenMP runtime: GOMP_* resolve to the one torch itself loaded, so both share one thread pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -217,11 +218,31 @@ void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t la
 constexpr int64_t kRowsPerTask = 128;
 constexpr int64_t kRowAlignment = 8;
 
+// f(first, last) over [0, units) in one contiguous share per thread, `grain` units per thread at least.
+// Not at::parallel_for: that is header code, and compiled into this library its once-per-thread set-up keeps a
+// flag of its own, so its first call on each thread resets that thread's count to the process-wide one, which
+// turned a single-threaded worker (kernels/_workers.py) into a 2-thread one for good. at::get_num_threads is
+// torch's own exported function: it reads the calling thread's count and changes nothing.
+template <class F>
+void parallel_units(int64_t units, int64_t grain, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) {
+    f(int64_t{0}, units);
+    return;
+  }
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t share = (units + omp_get_num_threads() - 1) / omp_get_num_threads();
+    const int64_t first = omp_get_thread_num() * share, last = std::min(units, first + share);
+    if (first < last) f(first, last);
+  }
+}
+
 template <class Elem>
 void run(const Problem<Elem>& p, int64_t isa) {
   if (p.rows == 0 || p.columns == 0) return;
   const int64_t units = (p.columns + kRowAlignment - 1) / kRowAlignment;
-  at::parallel_for(0, units, kRowsPerTask / kRowAlignment, [&](int64_t first, int64_t last) {
+  parallel_units(units, kRowsPerTask / kRowAlignment, [&](int64_t first, int64_t last) {
     run_rows(p, isa, first * kRowAlignment, std::min(last * kRowAlignment, p.columns));
   });
 }
@@ -258,7 +279,7 @@ void run_silu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor&
   gate_problem.ldo = up_problem.ldo = intermediate;
   const int64_t units = (intermediate + kRowAlignment - 1) / kRowAlignment;
   // Half the rows per task of a plain GEMM: each task streams two weights.
-  at::parallel_for(0, units, kRowsPerTask / kRowAlignment / 2, [&](int64_t first, int64_t last) {
+  parallel_units(units, kRowsPerTask / kRowAlignment / 2, [&](int64_t first, int64_t last) {
     const int64_t begin = first * kRowAlignment, end = std::min(last * kRowAlignment, intermediate);
     run_rows(gate_problem, isa, begin, end);
     run_rows(up_problem, isa, begin, end);

@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -89,9 +90,19 @@ def _build_dir(name: str) -> Path:
         return fallback
 
 
-@functools.cache
+_load_lock = threading.Lock()
+
+
 def _load() -> _Kernel | str:
-    """The built kernel, or why there is none. Built (or loaded) once per process."""
+    """The built kernel, or why there is none. Built (or loaded) once per process, by one thread: the expert
+    workers' first calls come at once, and two concurrent builds made torch's extension loader rename the second
+    library's ops (`<name>_v1`), so the kernel was missing, or built twice, depending on timing."""
+    with _load_lock:
+        return _build_or_load()
+
+
+@functools.cache
+def _build_or_load() -> _Kernel | str:
     if _disabled():
         return f"disabled by {ENV_KERNEL}=0"
     problem = _platform_problem()
@@ -111,7 +122,7 @@ def _load() -> _Kernel | str:
             logger.info("layerswap: building its CPU kernel in %s (once per machine, ~10 s)", directory)
         # Builds under a lock file in `directory` (concurrent processes wait for one build), or loads the
         # library already built there.
-        cpp_extension.load(
+        library = cpp_extension.load(
             name=name,
             sources=[str(source)],
             # -fopenmp compiles at::parallel_for's OpenMP loop; no runtime is linked, so it runs on torch's.
@@ -120,7 +131,9 @@ def _load() -> _Kernel | str:
             is_python_module=False,
             verbose=False,
         )
-        return _Kernel(getattr(torch.ops, name))
+        # The ops' namespace is the library's name, which torch's loader versions (`_v1`) if this process
+        # already loaded a different build under `name`.
+        return _Kernel(getattr(torch.ops, Path(library).stem))
     except Exception as error:  # no compiler or ninja, a failed build: torch's engines remain
         reason = f"the build failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})"
         logger.warning("layerswap: no CPU kernel, %s; using torch's engines", reason)

@@ -5,14 +5,14 @@ weight-major bf16 GEMM streams at bandwidth; on an AMD EPYC with AVX512-BF16 (on
 streams at 11 GB/s where `x @ W.T` reaches 15-18 for 1-8 rows; on an AVX2-only CPU (AMD Zen 2/3, older Xeons) torch's bf16 GEMM
 is a scalar-speed loop and converting each expert's weights to fp32 in cache is 2-4x faster from ~4 rows per
 expert on. So for each shape the first no-grad CPU call measures which engine (`torch_moe.EXPERT_OPS`) runs
-one expert's MLP fastest at 1, 2, 4, ... 64 rows (`_engines_plan`), and for bf16/fp16 from how many rows
-`upcast` pays (`_crossover_plan`); then for each (dtype, token-count bucket, shape) a short calibration runs
-each candidate strategy (`stock`, whose computation is stock transformers' `grouped_mm`, `layerswap` with the
-measured engines, in this thread and, with several intra-op threads, split over single-threaded worker
-threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the bucket's routing restricted to a few
-experts), taking turns call by call so that load from other processes hits every candidate alike. Every
-calibration call, of every candidate, runs on the experts after those of the call before it, so its weights
-come from memory as in a real forward pass, not from the cache the previous candidate warmed.
+one expert's MLP fastest per row-count class (timed at 1, 2, 4, 8, 23, 47, 95 rows; `_engines_plan`), and for
+bf16/fp16 from how many rows `upcast` pays (`_crossover_plan`); then for each (dtype, token-count bucket,
+shape) a short calibration runs each candidate strategy (`stock`, whose computation is stock transformers'
+`grouped_mm`, `layerswap` with the measured engines, in this thread and, with several intra-op threads,
+split over single-threaded worker threads, and for bf16/fp16 `upcast`) on a slice of the real problem (the
+bucket's routing restricted to a few experts), taking turns call by call so that load from other processes
+hits every candidate alike. Every calibration call, of every candidate, runs on the experts after those of the
+call before it, so its weights come from memory as in a real forward pass, not from the cache the previous candidate warmed.
 The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. `-quant`'s experts,
 three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
@@ -72,8 +72,9 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 
 # Bump when a strategy's implementation or how it is measured changes, so decisions measured on the old code
 # are not reused.
-# 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine
-STRATEGY_SET_VERSION = 4
+# 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine;
+# 5: classes from 16 rows timed at counts inside them (23, 47, 95), -quant's with the layer's output copy
+STRATEGY_SET_VERSION = 5
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -86,7 +87,11 @@ _DROP_FACTOR = (
     2.0  # after 3 rounds, candidates this much slower than the best (fastest call) stop being timed
 )
 _CROSSOVER_ROWS = (2, 4, 8)
-_ENGINE_ROWS = tuple(1 << c for c in range(torch_moe.ROW_CLASSES))  # one row count per class: 1, 2, 4, ... 64
+# The row count each class is timed at: 1, 2, 4, 8, then 23, 47, 95, inside the classes 16-31, 32-63 and 64+. A
+# GEMM library tiles an exact multiple of its block (32 rows) better than the counts a layer routes: on Xeon-AMX
+# fp32, -quant's weight-major GEMM took 0.82x nn.Linear's time at 32 rows and 0.98-1.08x at 41-49; capped to
+# AVX2, 1.08x at 32 and 1.6-1.75x at 41-49. Timed at 32, it won a class it then lost in the layer.
+_ENGINE_ROWS = tuple(1 << c if c < 4 else (3 << (c - 1)) - 1 for c in range(torch_moe.ROW_CLASSES))
 _BLOCK_CHOICES = (1 << 20, 8 << 20)
 _NEVER = 1 << 30  # min_rows that no expert reaches
 
@@ -576,13 +581,6 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
 _SKINNY_MAX_ROWS = 8
 
 
-# -quant's experts keep nn.Linear's own `x @ W.T` from 16 rows on. There an expert's three GEMMs are compute-heavy,
-# and an engine that wins timed alone can lose in the layer, where stock's fused GEMMs are the reference: Qwen3-30B
-# fp32 at 512 tokens (AVX2-capped Xeon) ran 1.25-1.29x stock with the weight-major GEMM the calibration picked
-# for 32-63 rows, 1.09x on nn.Linear's own.
-_LINEAR_COMPARE_UP_TO = 8
-
-
 def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
     """Whether engine `op` is a candidate for experts with `rows` rows of `dtype`."""
     if op == "mv":
@@ -599,19 +597,15 @@ def _fastest_engines(
     num_experts: int,
     hidden: int,
     dtype: torch.dtype,
-    compare_up_to: int = _NEVER,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
-    """The fastest of `ops` at each row-count class (1, 2, 4, ... 64 rows), timed interleaved on single experts
-    (`engine(op, rows)` returns a function that runs the expert it is given on engine `op`; each call runs the
-    next expert of the layer, whose weights come from memory, none from a warm cache). `reference` is kept
-    unless another engine beats it by the margin; from more than `compare_up_to` rows on it is kept untimed."""
+    """The fastest of `ops` at each row-count class (1, 2-3, 4-7, ... 64+ rows; timed at `_ENGINE_ROWS` rows),
+    timed interleaved on single experts (`engine(op, rows)` returns a function that runs the expert it is given
+    on engine `op`; each call runs the next expert of the layer, whose weights come from memory, none from a warm
+    cache). `reference` is kept unless another engine beats it by the margin."""
     generator = torch.Generator().manual_seed(0)
     chosen, medians = [], {}
     with torch.no_grad():
         for m in _ENGINE_ROWS:
-            if m > compare_up_to:
-                chosen.append(reference)
-                continue
             rows = _random_rows(generator, m, hidden, dtype)
             candidates = [op for op in ops if _worth_timing(op, m, dtype)]
             calls = {f"{op}@{m}": _on_next_expert(engine(op, rows), num_experts) for op in candidates}
@@ -924,16 +918,13 @@ def _linear_expert_ops(
         if plan is None:
 
             def engine(op: str, rows: torch.Tensor) -> Callable[[int], object]:
-                return lambda e: torch_moe.linear_expert_mlp(rows, *experts[e], act, op)
+                # The layer concatenates the experts' outputs: a weight-major engine's transposed output is
+                # copied then, at a cost that is part of its time (1.4x nn.Linear's whole expert, bf16 on
+                # Xeon-AMX, where its GEMMs alone took 0.8x).
+                return lambda e: torch_moe.linear_expert_mlp(rows, *experts[e], act, op).contiguous()
 
             ops, medians = _fastest_engines(
-                torch_moe.LINEAR_EXPERT_OPS,
-                "row",
-                engine,
-                len(experts),
-                hidden,
-                dtype,
-                compare_up_to=_LINEAR_COMPARE_UP_TO,
+                torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype
             )
             plan = Plan("layerswap", ops=ops, source="calibrated")
             logger.debug("layerswap: CPU engines for %s: %s (median ms %s)", key, ops, medians)

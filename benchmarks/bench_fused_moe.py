@@ -16,7 +16,7 @@ best stock backend and as a share of the roofline max(active-expert bytes / band
 Routing is uniform random top-k, a different draw for consecutive calls, and a 512 MiB buffer is written
 before each timed call, so every call reads its experts' weights from memory (as in a real forward pass).
 CSV columns: kernel, provider, shape, dtype, T, metric, median, p20, p80, device, plan (the CPU strategy the
-layerswap provider ran), then the machine (benchmarks/machine.py): cpu_model, cpu_flags, isa_limits, cpu_cores, threads,
+layerswap provider ran; for quant, the engines its experts ran), then the machine (benchmarks/machine.py): cpu_model, cpu_flags, isa_limits, cpu_cores, threads,
 torch, transformers.
 """
 
@@ -46,7 +46,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import layerswap  # noqa: E402
-from layerswap.kernels import plan_for  # noqa: E402
+from layerswap.kernels import cpu_dispatch, plan_for  # noqa: E402
+from layerswap.kernels._cpu_strategies import describe_ops  # noqa: E402
 from layerswap.shapes import model_shape  # noqa: E402
 from layerswap.swaps.fast.modules import fused_experts_forward  # noqa: E402
 from machine import KERNEL_FIELDS, MACHINE_FIELDS, csv_path, machine_fields, machine_label  # noqa: E402
@@ -385,17 +386,22 @@ def case_rows(
         calls[provider] = lambda i, fn=fn: fn(experts, *draws[i % ROUTING_DRAWS])
     with torch.inference_mode():
         timed = time_interleaved(calls, device, reps, budget_s, between=flush)  # the warm-up calibrates
-        plan = "-"
-        if "layerswap" in calls and device.type == "cpu":
+        plans = {}  # what each of layerswap's providers ran, as its CPU dispatch decided
+        if device.type == "cpu":
             x, index, _ = draws[0]
-            plan = plan_for(x, experts.gate_up_proj, experts.down_proj, index).describe()
+            if "layerswap" in calls:
+                plans["layerswap"] = plan_for(x, experts.gate_up_proj, experts.down_proj, index).describe()
+            if "quant" in calls:
+                # None: every expert runs its nn.Linear modules, which is engine "row" at every row count
+                engines = quant._cpu_engines(x) or cpu_dispatch.ALL_ROW
+                plans["quant"] = f"engines({describe_ops(engines)})"
     stats = {p: summarize(t) for p, t in timed.items()}
 
     where = (shape.name, dtype, num_tokens)
     rows = [row("moe_experts", "roofline", *where, "ms", (roofline,) * 3, limits.device_name)]
     best_stock = min((stats[p][0] for p in STOCK if p in stats), default=None)
     for provider, (median, p20, p80) in stats.items():
-        plan_used = plan if provider == "layerswap" else "-"
+        plan_used = plans.get(provider, "-")
         rows.append(
             row(
                 "moe_experts",
@@ -492,7 +498,11 @@ def print_table(rows: Sequence[dict[str, object]]) -> None:
             ] = r["median"]
     shown = [p for p in (*PROVIDERS, *FORCED) if any(p in by for by in table.values())]
     ratios = [p for p in shown if p not in STOCK]
-    plans = {(r["shape"], r["dtype"], r["T"]): r["plan"] for r in rows if r.get("plan", "-") != "-"}
+    plans = {
+        (r["shape"], r["dtype"], r["T"]): r["plan"]
+        for r in rows
+        if r["provider"] == "layerswap" and r.get("plan", "-") != "-"
+    }
     print(
         f"{'shape':18} {'dtype':9} {'T':>5} | "
         + " ".join(f"{p:>10}" for p in shown)

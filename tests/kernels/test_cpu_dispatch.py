@@ -262,6 +262,13 @@ def test_token_buckets(num_tokens: int, bucket: int) -> None:
 # --- calibration ---------------------------------------------------------------------------------------------
 
 
+# What a "slow" strategy or engine adds to each call: far above what the real ones cost even on a loaded machine,
+# where a 2-thread OpenMP region can wait a whole scheduler slice for a descheduled thread. At 3 ms these tests
+# failed while other test runs shared the 2 cores; there the tiny test problems' real candidates took medians of
+# up to 48-88 ms in some calibrations (1-3 ms otherwise).
+SLOW_S = 0.05
+
+
 def _slow(seconds: float, inner):
     def strategy(*args):
         time.sleep(seconds)
@@ -274,7 +281,7 @@ def _slow(seconds: float, inner):
 @pytest.mark.parametrize("slow, chosen", [("layerswap", "stock"), ("stock", "layerswap")])
 def test_calibration_picks_the_faster_strategy(calibrating, monkeypatch, slow: str, chosen: str) -> None:
     fake = dict(strategies.STRATEGIES)
-    fake[slow] = _slow(0.004, fake[slow])
+    fake[slow] = _slow(SLOW_S, fake[slow])
     monkeypatch.setattr(cpu_dispatch, "STRATEGIES", fake)
     problem = make_problem(16)
     plan = cpu_dispatch.plan_for(problem[0], problem[1], problem[2], problem[3])
@@ -288,13 +295,13 @@ def test_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow:
 
     def expert_mlp(*args, op=None, **kwargs):
         if op == slow:
-            time.sleep(0.003)
+            time.sleep(SLOW_S)
         return real(*args, op=op, **kwargs)
 
     monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
     if slow == "grouped":
         real_grouped = strategies._grouped_or_loop
-        monkeypatch.setattr(strategies, "_grouped_or_loop", _slow(0.003, real_grouped))
+        monkeypatch.setattr(strategies, "_grouped_or_loop", _slow(SLOW_S, real_grouped))
     _, gate_up, down, _, _ = make_problem(1)
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert plan.strategy == "layerswap" and len(plan.ops) == ROW_CLASSES
@@ -312,7 +319,7 @@ def test_engine_measurement_times_the_kernel_for_few_rows(calibrating, monkeypat
 
     def expert_mlp(*args, op=None, **kwargs):
         if op == "skinny":
-            time.sleep(0.003)
+            time.sleep(SLOW_S)
         return real(*args, op=op, **kwargs)
 
     monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
@@ -562,7 +569,7 @@ def test_linear_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch
 
     def expert_mlp(*args):
         if args[-1] == slow:
-            time.sleep(0.003)
+            time.sleep(SLOW_S)
         return real(*args)
 
     monkeypatch.setattr(torch_moe, "linear_expert_mlp", expert_mlp)

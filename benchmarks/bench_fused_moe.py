@@ -16,8 +16,8 @@ best stock backend and as a share of the roofline max(active-expert bytes / band
 Routing is uniform random top-k, a different draw for consecutive calls, and a 512 MiB buffer is written
 before each timed call, so every call reads its experts' weights from memory (as in a real forward pass).
 CSV columns: kernel, provider, shape, dtype, T, metric, median, p20, p80, device, plan (the CPU strategy the
-layerswap provider ran; for quant, the engines its experts ran), then the machine (benchmarks/machine.py): cpu_model, cpu_flags, isa_limits, cpu_cores, threads,
-torch, transformers.
+layerswap provider ran; for quant, the engines its experts ran), then the machine (benchmarks/machine.py):
+cpu_model, cpu_flags, isa_limits, cpu_cores, threads, torch, transformers.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from layerswap.kernels import _workers, cpu_native, torch_moe
 @pytest.fixture
 def fresh_kernel_state():
     """Forget the loaded kernel (and its availability) before and after: the test sets its own conditions."""
-    cpu_native._build_or_load.cache_clear()
+    cpu_native._forget()
     yield
-    cpu_native._build_or_load.cache_clear()
+    cpu_native._forget()
 
 
 def test_builds_on_this_machine() -> None:
@@ -177,7 +177,7 @@ def test_aten_cpu_capability_caps_the_kernel_too(fresh_kernel_state, monkeypatch
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert cpu_native.supported_isas() == ("avx2",)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
-    cpu_native._build_or_load.cache_clear()
+    cpu_native._forget()
     assert not cpu_native.available()
     assert "none of" in cpu_native.why_unavailable()
 

@@ -93,12 +93,22 @@ def _build_dir(name: str) -> Path:
 _load_lock = threading.Lock()
 
 
+@functools.cache
 def _load() -> _Kernel | str:
     """The built kernel, or why there is none. Built (or loaded) once per process, by one thread: the expert
     workers' first calls come at once, and two concurrent builds made torch's extension loader rename the second
-    library's ops (`<name>_v1`), so the kernel was missing, or built twice, depending on timing."""
+    library's ops (`<name>_v1`), so the kernel was missing, or built twice, depending on timing. Threads that
+    miss this cache together take turns at the lock, and the later ones get the first one's result; once cached,
+    a kernel call takes no lock."""
     with _load_lock:
         return _build_or_load()
+
+
+def _forget() -> None:
+    """Forget the loaded kernel (and why there is none), so that the next call decides again (tests)."""
+    with _load_lock:
+        _load.cache_clear()
+        _build_or_load.cache_clear()
 
 
 @functools.cache
@@ -125,7 +135,7 @@ def _build_or_load() -> _Kernel | str:
         library = cpp_extension.load(
             name=name,
             sources=[str(source)],
-            # -fopenmp compiles at::parallel_for's OpenMP loop; no runtime is linked, so it runs on torch's.
+            # -fopenmp compiles the kernel's OpenMP loop; no runtime is linked, so it runs on torch's.
             extra_cflags=["-O3", "-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,

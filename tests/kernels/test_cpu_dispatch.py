@@ -300,8 +300,9 @@ def test_engine_measurement_avoids_a_slow_engine(calibrating, monkeypatch, slow:
 
     monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
     if slow == "grouped":
-        real_grouped = strategies._grouped_or_loop
-        monkeypatch.setattr(strategies, "_grouped_or_loop", _slow(SLOW_S, real_grouped))
+        monkeypatch.setattr(
+            torch_moe, "_gemv_experts_grouped", _slow(SLOW_S, torch_moe._gemv_experts_grouped)
+        )
     _, gate_up, down, _, _ = make_problem(1)
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert plan.strategy == "layerswap" and len(plan.ops) == ROW_CLASSES
@@ -323,15 +324,49 @@ def test_engine_measurement_times_the_kernel_for_few_rows(calibrating, monkeypat
         return real(*args, op=op, **kwargs)
 
     monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
-    _, gate_up, down, _, _ = make_problem(1, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch_moe, "_skinny_experts", _slow(SLOW_S, torch_moe._skinny_experts))
+    _, gate_up, down, _, _ = make_problem(1, dtype=dtype)
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
-    assert [name for name in medians if name.startswith("skinny@")] == [
-        "skinny@1",
-        "skinny@2",
-        "skinny@4",
-        "skinny@8",
-    ]
+    timed = ["skinny@1", "skinny@2", "skinny@4", "skinny@8"] if dtype in torch_moe.SKINNY_DTYPES else []
+    assert [name for name in medians if name.startswith("skinny@")] == timed
     assert "skinny" not in plan.ops
+
+
+# Engines are timed on several experts a call, run as the layer runs them: the batched ones in one call.
+def test_engine_measurement_runs_experts_as_the_layer_does(calibrating, monkeypatch) -> None:
+    groups: dict[str, list[list[int]]] = {"grouped": [], "skinny": []}
+
+    def recording(op, real):
+        def run(*args):
+            groups[op].append(list(args[5]) if op == "grouped" else list(args[3]))
+            return real(*args)
+
+        return run
+
+    monkeypatch.setattr(
+        torch_moe, "_gemv_experts_grouped", recording("grouped", torch_moe._gemv_experts_grouped)
+    )
+    monkeypatch.setattr(torch_moe, "_skinny_experts", recording("skinny", torch_moe._skinny_experts))
+    _, gate_up, down, _, _ = make_problem(1)
+    cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
+    assert cpu_dispatch._experts_per_call(1, 8) == 8 and cpu_dispatch._experts_per_call(95, 8) == 1
+    assert groups["skinny"] and all(len(experts) == 8 for experts in groups["skinny"])  # 1-8 rows: 8 a call
+    assert {len(experts) for experts in groups["grouped"]} == {8, 2, 1}  # ... 23 rows: 2, 47 and 95: 1
+
+
+def test_engine_measurement_credits_one_call_for_many_experts(calibrating, monkeypatch) -> None:
+    """-quant's experts on the kernel share one call per layer, the others take a call each: an engine that
+    costs the same per call as the others do per expert must win where it batches (timed one expert a call,
+    it tied, and three GEMVs per one-row expert stayed at 1.11x stock)."""
+    assert cpu_native.available(), cpu_native.why_unavailable()
+    per_call = 0.01
+    monkeypatch.setattr(torch_moe, "linear_expert_mlp", _slow(per_call, torch_moe.linear_expert_mlp))
+    monkeypatch.setattr(
+        torch_moe, "linear_experts_on_kernel", _slow(per_call, torch_moe.linear_experts_on_kernel)
+    )
+    ops = linear_ops(linear_experts())
+    assert ops[:4] == ("skinny",) * 4  # 1-15 rows; timed at 1, 2, 4, 8 rows, 6 experts a call
+    assert "skinny" not in ops[4:]  # the kernel is no candidate from 16 rows
 
 
 def test_engine_ties_keep_the_grouped_gemm(calibrating, monkeypatch) -> None:

@@ -74,8 +74,9 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 # Bump when a strategy's implementation or how it is measured changes, so decisions measured on the old code
 # are not reused.
 # 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine;
-# 5: classes from 16 rows timed at counts inside them (23, 47, 95), -quant's with the layer's output copy
-STRATEGY_SET_VERSION = 5
+# 5: classes from 16 rows timed at counts inside them (23, 47, 95), -quant's with the layer's output copy;
+# 6: engines timed on several experts a call, run as the layer runs them
+STRATEGY_SET_VERSION = 6
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -576,6 +577,16 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
     return lambda _, call_number: run(_experts_of_call(call_number, 1, num_experts))
 
 
+def _on_next_experts(run: Callable[[Sequence[int]], object], group: int, num_experts: int) -> Call:
+    """A calibration call of `run(experts)` on the `group` consecutive experts its call number picks."""
+
+    def call(_: int, call_number: int) -> object:
+        first = _experts_of_call(call_number, group, num_experts)
+        return run([(first + j) % num_experts for j in range(group)])
+
+    return call
+
+
 # layerswap's kernel is compute-bound from ~4 rows on (AVX512-BF16's dot product, fp32 FMAs), where oneDNN's AMX
 # or blocked GEMMs win by 1.3-1.5x (measured on a Sapphire Rapids); past 8 rows timing it only costs calibration
 # time.
@@ -591,27 +602,44 @@ def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
     return True
 
 
+# engine(op, rows, m): a function that runs the experts it is given on engine `op` as the layer runs them (one
+# call for the engines that batch experts, a call per expert for the others), expert j on rows[j * m:(j + 1) * m].
+Engine = Callable[[str, torch.Tensor, int], Callable[[Sequence[int]], object]]
+
+
+def _experts_per_call(rows: int, num_experts: int) -> int:
+    """How many experts of `rows` rows one engine-calibration call runs: up to 8, about 64 rows in all. Timed
+    one expert a call, what the batched engines ("grouped", "skinny": one call for all of a layer's experts)
+    save per expert went uncredited: with Qwen3-30B-A3B shapes (fp32, Xeon-AMX, T=16) -quant kept three GEMVs
+    per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a separate harness."""
+    return max(1, min(8, num_experts, 64 // rows))
+
+
 def _fastest_engines(
     ops: Sequence[str],
     reference: str,
-    engine: Callable[[str, torch.Tensor], Callable[[int], object]],
+    engine: Engine,
     num_experts: int,
     hidden: int,
     dtype: torch.dtype,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
     """The fastest of `ops` at each row-count class (1, 2-3, 4-7, ... 64+ rows; timed at `_ENGINE_ROWS` rows),
-    timed interleaved on single experts (`engine(op, rows)` returns a function that runs the expert it is given
-    on engine `op`; each call runs the next expert of the layer, whose weights come from memory, none from a warm
-    cache). `reference` is kept unless another engine beats it by the margin."""
+    timed interleaved on a few experts of the layer per call (`_experts_per_call`), run as the layer runs them
+    (`engine`); each call runs the experts after those of the call before it, whose weights come from memory,
+    none from a warm cache. `reference` is kept unless another engine beats it by the margin. The medians are
+    ms per expert."""
     generator = torch.Generator().manual_seed(0)
     chosen, medians = [], {}
     with torch.no_grad():
         for m in _ENGINE_ROWS:
-            rows = _random_rows(generator, m, hidden, dtype)
+            group = _experts_per_call(m, num_experts)
+            rows = _random_rows(generator, group * m, hidden, dtype)
             candidates = [op for op in ops if _worth_timing(op, m, dtype)]
-            calls = {f"{op}@{m}": _on_next_expert(engine(op, rows), num_experts) for op in candidates}
+            calls = {
+                f"{op}@{m}": _on_next_experts(engine(op, rows, m), group, num_experts) for op in candidates
+            }
             times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
-            timed = {name.partition("@")[0]: _median(t) for name, t in times.items() if t}
+            timed = {name.partition("@")[0]: _median(t) / group for name, t in times.items() if t}
             medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
             best = min(timed, key=timed.__getitem__)
             if reference in timed and timed[best] > _MARGIN * timed[reference]:
@@ -623,22 +651,23 @@ def _fastest_engines(
 def _engines_plan(
     gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[Plan, dict[str, float]]:
-    """For `layerswap`: the engine that runs one expert's MLP fastest at each row-count class, timed on single
-    experts of this layer. The grouped GEMM (stock's) is kept unless another engine beats it by the margin: on a
-    tie it saves Python dispatches."""
+    """For `layerswap`: the engine that runs the experts of each row-count class fastest, timed on experts of
+    this layer run as `layerswap` runs them. The grouped GEMM (stock's) is kept unless another engine beats it
+    by the margin: on a tie it saves Python dispatches."""
     num_experts, _, hidden = gate_up_proj.shape
     grouped = torch_moe._CPU_GROUPED_MM
     ops = tuple(op for op in torch_moe.EXPERT_OPS if grouped or op != "grouped")
 
-    def engine(op: str, rows: torch.Tensor) -> Callable[[int], object]:
-        out = torch.empty_like(rows)
+    def engine(op: str, rows: torch.Tensor, m: int) -> Callable[[Sequence[int]], object]:
+        every_class = (op,) * torch_moe.ROW_CLASSES
 
-        def call(e: int) -> object:
-            if op == "grouped":
-                return strategies.grouped_expert_mlp(rows, gate_up_proj, down_proj, e, act)
-            return torch_moe._expert_mlp(rows, gate_up_proj[e], down_proj[e], act, out=out, op=op)
+        def run(experts: Sequence[int]) -> object:
+            sizes = [0] * (num_experts + 1)  # the last: the layer's "not on this rank" pairs, none here
+            for e in experts:
+                sizes[e] = m
+            return torch_moe._all_experts(rows, gate_up_proj, down_proj, act, sizes, False, every_class)
 
-        return call
+        return run
 
     chosen, medians = _fastest_engines(ops, "grouped", engine, num_experts, hidden, gate_up_proj.dtype)
     return Plan("layerswap", ops=chosen, source="calibrated"), medians
@@ -918,11 +947,26 @@ def _linear_expert_ops(
         plan = cache.get(key)
         if plan is None:
 
-            def engine(op: str, rows: torch.Tensor) -> Callable[[int], object]:
-                # The layer concatenates the experts' outputs, which copies a weight-major engine's transposed
-                # output: part of its cost (bf16 on Xeon-AMX, 23-47 rows: 0.80-0.95x nn.Linear's time alone,
-                # 0.83-0.88x with the layer's concatenate, weight and sum).
-                return lambda e: torch_moe.linear_expert_mlp(rows, *experts[e], act, op).contiguous()
+            def engine(op: str, rows: torch.Tensor, m: int) -> Callable[[Sequence[int]], object]:
+                def run(chosen: Sequence[int]) -> object:  # as LinearExperts.forward runs them
+                    weights = [experts[e] for e in chosen]
+                    bounds = [bound for j in range(len(chosen)) for bound in (j * m, (j + 1) * m)]
+                    if op == "skinny" and torch_moe.batches_on_kernel(rows, weights[0], act):
+                        out = torch_moe.linear_experts_on_kernel(
+                            rows, weights, bounds, torch.empty_like(rows)
+                        )
+                        pieces = [out[bounds[2 * j] : bounds[2 * j + 1]] for j in range(len(chosen))]
+                    else:
+                        pieces = [
+                            torch_moe.linear_expert_mlp(rows[bounds[2 * j] : bounds[2 * j + 1]], *w, act, op)
+                            for j, w in enumerate(weights)
+                        ]
+                    # The layer concatenates the outputs: this copies a weight-major engine's transposed output,
+                    # part of its cost (bf16 on Xeon-AMX, 23-47 rows: 0.80-0.95x nn.Linear's time alone,
+                    # 0.83-0.88x with the layer's concatenate, weight and sum).
+                    return torch.cat(pieces)
+
+                return run
 
             ops, medians = _fastest_engines(
                 torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype

@@ -678,6 +678,18 @@ def test_consecutive_calibration_calls_read_different_experts() -> None:
                 assert not experts(n, footprint, num_experts) & experts(n + 1, footprint, num_experts)
 
 
+def test_calibration_slices_are_large_enough_to_judge_the_layer() -> None:
+    """A round covers every expert at decode, else about 8 active experts and up to ~256 rows: on a 2-expert
+    slice (its bound was 64 rows) stock's fixed costs made it look slower than it is on the whole layer."""
+    num_experts, top_k = 128, 8  # Qwen3-30B-A3B
+    assert cpu_dispatch._window(1, num_experts, top_k) == num_experts
+    assert cpu_dispatch._window(512, num_experts, top_k) == 8  # 32 rows each
+    for bucket in (16, 128, 512, 2048):
+        window = cpu_dispatch._window(bucket, num_experts, top_k)
+        rows_per_expert = bucket * top_k / num_experts
+        assert 2 <= window <= 16 and window * rows_per_expert <= 256 + rows_per_expert
+
+
 def test_calibration_timing_walks_the_experts() -> None:
     seen: list[int] = []
     engine = cpu_dispatch._on_next_expert(seen.append, 8)

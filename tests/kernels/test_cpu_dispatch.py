@@ -349,9 +349,9 @@ def test_engine_measurement_runs_experts_as_the_layer_does(calibrating, monkeypa
     monkeypatch.setattr(torch_moe, "_skinny_experts", recording("skinny", torch_moe._skinny_experts))
     _, gate_up, down, _, _ = make_problem(1)
     cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
-    assert cpu_dispatch._experts_per_call(1, 8) == 8 and cpu_dispatch._experts_per_call(95, 8) == 1
-    assert groups["skinny"] and all(len(experts) == 8 for experts in groups["skinny"])  # 1-8 rows: 8 a call
-    assert {len(experts) for experts in groups["grouped"]} == {8, 2, 1}  # ... 23 rows: 2, 47 and 95: 1
+    assert cpu_dispatch._experts_per_call(1, 8) == 4 and cpu_dispatch._experts_per_call(95, 8) == 1
+    assert groups["skinny"] and all(len(experts) == 4 for experts in groups["skinny"])  # 1-8 rows: 4 a call
+    assert {len(experts) for experts in groups["grouped"]} == {4, 1}  # 23 rows and more: 1
 
 
 def test_engine_measurement_credits_one_call_for_many_experts(calibrating, monkeypatch) -> None:
@@ -365,7 +365,7 @@ def test_engine_measurement_credits_one_call_for_many_experts(calibrating, monke
         torch_moe, "linear_experts_on_kernel", _slow(per_call, torch_moe.linear_experts_on_kernel)
     )
     ops = linear_ops(linear_experts())
-    assert ops[:4] == ("skinny",) * 4  # 1-15 rows; timed at 1, 2, 4, 8 rows, 6 experts a call
+    assert ops[:4] == ("skinny",) * 4  # 1-15 rows; timed at 1, 2, 4, 8 rows, 4 experts a call
     assert "skinny" not in ops[4:]  # the kernel is no candidate from 16 rows
 
 

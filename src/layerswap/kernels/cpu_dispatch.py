@@ -608,11 +608,14 @@ Engine = Callable[[str, torch.Tensor, int], Callable[[Sequence[int]], object]]
 
 
 def _experts_per_call(rows: int, num_experts: int) -> int:
-    """How many experts of `rows` rows one engine-calibration call runs: up to 8, about 64 rows in all. Timed
+    """How many experts of `rows` rows one engine-calibration call runs: up to 4, about 32 rows in all. Timed
     one expert a call, what the batched engines ("grouped", "skinny": one call for all of a layer's experts)
     save per expert went uncredited: with Qwen3-30B-A3B shapes (fp32, Xeon-AMX, T=16) -quant kept three GEMVs
-    per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a separate harness."""
-    return max(1, min(8, num_experts, 64 // rows))
+    per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a separate harness. Each call
+    costs its experts' time, and calibration runs at least 4 calls per candidate: on EPYC-AVX512 (Qwen3-30B-A3B
+    fp32) a shape's first call, which measures the engines on 1 and 2 threads and its bucket, took 1.05 s timed
+    one expert a call, 2.7-2.9 s with 8 a call, 1.6-1.7 s with 4."""
+    return max(1, min(4, num_experts, 32 // rows))
 
 
 def _fastest_engines(

@@ -318,13 +318,15 @@ def test_engine_measurement_times_the_kernel_at_every_row_count(calibrating, mon
     assert cpu_native.available(), cpu_native.why_unavailable()
     real = torch_moe._expert_mlp
 
-    def expert_mlp(*args, op=None, **kwargs):
-        if op == "skinny":
-            time.sleep(SLOW_S)
+    def expert_mlp(
+        *args, op=None, **kwargs
+    ):  # every other engine a bit slower than the kernel: it is timed on
+        if op != "skinny":
+            time.sleep(0.002)
         return real(*args, op=op, **kwargs)
 
     monkeypatch.setattr(torch_moe, "_expert_mlp", expert_mlp)
-    monkeypatch.setattr(torch_moe, "_skinny_experts", _slow(SLOW_S, torch_moe._skinny_experts))
+    monkeypatch.setattr(torch_moe, "_gemv_experts_grouped", _slow(0.002, torch_moe._gemv_experts_grouped))
     _, gate_up, down, _, _ = make_problem(1, dtype=dtype)
     plan, medians = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     every_count = [f"skinny@{m}" for m in cpu_dispatch._ENGINE_ROWS]
@@ -337,8 +339,16 @@ def test_engine_measurement_times_the_kernel_at_every_row_count(calibrating, mon
         "skinny@47",
         "skinny@95",
     ]
-    timed = every_count if dtype in torch_moe.SKINNY_DTYPES else []
-    assert [name for name in medians if name.startswith("skinny@")] == timed
+    if dtype in torch_moe.SKINNY_DTYPES:
+        assert [name for name in medians if name.startswith("skinny@")] == every_count
+        assert plan.ops == ("skinny",) * ROW_CLASSES
+    else:
+        assert not any(name.startswith("skinny@") for name in medians) and "skinny" not in plan.ops
+
+    # Slower than the others, it loses at every row count.
+    monkeypatch.setattr(torch_moe, "_expert_mlp", real)
+    monkeypatch.setattr(torch_moe, "_skinny_experts", _slow(SLOW_S, torch_moe._skinny_experts))
+    plan, _ = cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
     assert "skinny" not in plan.ops
 
 
@@ -377,8 +387,8 @@ def test_engine_measurement_credits_one_call_for_many_experts(calibrating, monke
     )
     ops = linear_ops(linear_experts())
     assert ops[:4] == ("skinny",) * 4  # 1-15 rows; timed at 1, 2, 4, 8 rows, 4 experts a call
-    # From 16 rows (timed at 23, 47, 95) one expert a call: nothing batched to credit, a tie keeps nn.Linear's
-    assert ops[4:] == ("row",) * 3
+    # From 16 rows (timed at 23, 47, 95) one expert a call: nothing batched to credit; the faster engine wins.
+    assert set(ops[4:]) <= {"skinny", "row"}
 
 
 def test_engine_ties_keep_the_grouped_gemm(calibrating, monkeypatch) -> None:
@@ -709,6 +719,48 @@ def test_calibration_timing_walks_the_experts() -> None:
     assert len(times["stock"]) == 4
     # The warm-up and the four timed calls each ran the expert after the one before.
     assert [(b - a) % 8 for a, b in itertools.pairwise(seen)] == [1] * 4
+
+
+def test_calibration_stops_timing_hopeless_candidates() -> None:
+    """Far slower candidates stop after the first round (their one call is enough to rule them out), slower
+    ones after the third; stock, the reference of every decision, is timed every round however slow."""
+
+    def sleeping(seconds: float) -> cpu_dispatch.Call:
+        return lambda _round, _call: time.sleep(seconds)
+
+    calls = {
+        "fast": sleeping(0.002),
+        "slower": sleeping(0.002 * (cpu_dispatch._DROP_FACTOR + cpu_dispatch._EARLY_DROP_FACTOR) / 2),
+        "hopeless": sleeping(0.002 * cpu_dispatch._EARLY_DROP_FACTOR * 3),
+        "stock": sleeping(0.002 * cpu_dispatch._EARLY_DROP_FACTOR * 3),
+    }
+    times = cpu_dispatch._interleaved_ms(calls, 5, 5, 0.0, seed=0)
+    assert {name: len(values) for name, values in times.items()} == {
+        "fast": 5,
+        "slower": 3,
+        "hopeless": 1,
+        "stock": 5,
+    }
+
+
+def test_engines_hopeless_at_few_rows_are_not_timed_at_more(calibrating, monkeypatch) -> None:
+    """An engine far slower than the best at one row count is not timed at the larger ones, except the
+    reference, which a tie keeps."""
+    slow_op, fast_op = "wm", "mv"
+    calls: list[str] = []
+
+    def engine(op, rows, m):
+        def run(experts):
+            calls.append(f"{op}@{m}")
+            time.sleep(0.0005 if op in (fast_op, "skinny") else 0.02 if op == slow_op else 0.002)
+
+        return run
+
+    ops = ("grouped", "mv", "row", "wm")
+    chosen, medians = cpu_dispatch._fastest_engines(ops, "grouped", engine, 8, 64, torch.float32)
+    assert f"{slow_op}@1" in medians and f"{slow_op}@2" not in medians  # 40x the GEMV at one row
+    assert all(f"grouped@{m}" in medians for m in cpu_dispatch._ENGINE_ROWS)  # the reference: always
+    assert chosen[0] == fast_op and slow_op not in chosen
 
 
 @pytest.fixture

@@ -86,9 +86,15 @@ _MARGIN = 0.97
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 12
 _BUDGET_S = 0.3  # per calibration, after _MIN_ROUNDS: more rounds while it lasts
-_DROP_FACTOR = (
-    2.0  # after 3 rounds, candidates this much slower than the best (fastest call) stop being timed
-)
+# Candidates this much slower than the best (fastest calls) stop being timed: after the first round by the larger
+# factor, after three by the smaller. On an AVX2-only Zen 3, torch's bf16 engines take 3-15x the kernel's time from
+# 4 rows on (a weight-major call at 95 rows: 300 ms against 24), and timing each of them four times made a bf16
+# shape's first call take 12 s.
+_EARLY_DROP_FACTOR = 3.0
+_DROP_FACTOR = 2.0
+# An engine this much slower than the best at one row count is not timed at the larger ones (its reference, the
+# engine a tie keeps, always is).
+_HOPELESS_FACTOR = 8.0
 _CROSSOVER_ROWS = (2, 4, 8)
 # The row count each class is timed at: 1, 2, 4, 8, then 23, 47, 95, inside the classes 16-31, 32-63 and 64+. A
 # GEMM library tiles an exact multiple of its block (32 rows) better than the counts a layer routes: on Xeon-AMX
@@ -482,8 +488,9 @@ def _interleaved_ms(
     calls: dict[str, Call], min_rounds: int, max_rounds: int, budget_s: float, seed: int
 ) -> dict[str, list[float]]:
     """Per-call ms of each candidate, taking turns in an order shuffled every round (one warm-up call first).
-    After three rounds, candidates whose fastest call is `_DROP_FACTOR` slower than the best one are no longer
-    timed, except "stock", the reference every decision is a ratio to."""
+    Candidates whose fastest call is `_EARLY_DROP_FACTOR` slower than the best one after the first round, or
+    `_DROP_FACTOR` slower after the third, are no longer timed, except "stock", the reference every decision is
+    a ratio to."""
     for call in calls.values():
         call(0, next(_call_numbers))
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -497,9 +504,10 @@ def _interleaved_ms(
             begin = time.perf_counter()
             calls[name](round_index + 1, call_number)
             times[name].append((time.perf_counter() - begin) * 1e3)
-        if round_index == 2:
+        if round_index in (0, 2):
+            factor = _EARLY_DROP_FACTOR if round_index == 0 else _DROP_FACTOR
             best = min(min(times[n]) for n in alive)
-            alive = [n for n in alive if n == "stock" or min(times[n]) <= _DROP_FACTOR * best]
+            alive = [n for n in alive if n == "stock" or min(times[n]) <= factor * best]
         if round_index + 1 >= min_rounds and time.perf_counter() - started > budget_s:
             break
     return times
@@ -630,12 +638,14 @@ def _fastest_engines(
     none from a warm cache. `reference` is kept unless another engine beats it by the margin. The medians are
     ms per expert."""
     generator = torch.Generator().manual_seed(0)
-    chosen, medians = [], {}
+    chosen, medians, hopeless = [], {}, set()
     with torch.no_grad():
         for m in _ENGINE_ROWS:
             group = _experts_per_call(m, num_experts)
             rows = _random_rows(generator, group * m, hidden, dtype)
-            candidates = [op for op in ops if _worth_timing(op, m, dtype)]
+            candidates = [
+                op for op in ops if _worth_timing(op, m, dtype) and (op == reference or op not in hopeless)
+            ]
             calls = {
                 f"{op}@{m}": _on_next_experts(engine(op, rows, m), group, num_experts) for op in candidates
             }
@@ -643,6 +653,7 @@ def _fastest_engines(
             timed = {name.partition("@")[0]: _median(t) / group for name, t in times.items() if t}
             medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
             best = min(timed, key=timed.__getitem__)
+            hopeless.update(op for op, ms in timed.items() if ms > _HOPELESS_FACTOR * timed[best])
             if reference in timed and timed[best] > _MARGIN * timed[reference]:
                 best = reference
             chosen.append(best)

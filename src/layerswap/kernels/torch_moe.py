@@ -339,8 +339,9 @@ def _all_experts(
     `workers` > 1 the experts split over that many single-threaded worker threads."""
     num_experts = gate_up_proj.shape[0]
     active = [e for e in range(num_experts) if sizes[e]]
-    # Slices of the active experts only: splitting into every expert's (empty) slice cost ~64 us a call at
-    # decode with 128 experts, a tenth of a small layer's time.
+    # Slices of the active experts only, not a split into every expert's slice (most of them empty at decode):
+    # side by side on a Zen 3, a bf16 decode call took 0.65x the time with 128 tiny experts, 0.92x with a
+    # Qwen3-30B-A3B layer's.
     starts = list(accumulate(sizes, initial=0))
     if differentiable:
         pieces = [

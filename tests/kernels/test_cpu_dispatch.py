@@ -500,6 +500,25 @@ def test_cache_file_is_keyed_by_machine(calibrating, monkeypatch) -> None:
         cpu_dispatch._machine_digest.cache_clear()
 
 
+def test_an_edited_kernel_or_turning_it_off_is_a_new_cache_file(calibrating, monkeypatch) -> None:
+    # Decisions measured with one build of the kernel are not reused by another, nor without the kernel.
+    here = cpu_dispatch.cache_path()
+    for identity in ("layerswap_cpu_0123456789ab", "off"):
+        cpu_dispatch._machine_digest.cache_clear()
+        monkeypatch.setattr(cpu_native, "identity", lambda identity=identity: identity)
+        try:
+            assert cpu_dispatch.cache_path() != here
+            assert cpu_dispatch.machine_key()["kernel"] == identity
+        finally:
+            cpu_dispatch._machine_digest.cache_clear()
+
+
+def test_the_kernels_identity_is_its_name_or_off(monkeypatch) -> None:
+    assert cpu_native.identity() == cpu_native.extension_name()
+    monkeypatch.setenv(cpu_native.ENV_KERNEL, "0")
+    assert cpu_native.identity() == "off"
+
+
 def test_cache_default_location(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv(cpu_dispatch.ENV_CACHE_DIR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -45,9 +45,10 @@ def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
     assert (got.double() - want).abs().max().item() <= tolerance
 
 
-# Rows: 1 (a GEMV), 2-3 (8-weight-row blocks), 4-7 (4 x 6 tiles, with 4-5 left over), 13 and 40 (several tiles,
-# then a remainder). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below
-# one vector, not a multiple of 32 or 8 (the masked / scalar tail), and real layer sizes (2048 x 1536).
+# Rows: 1 (a GEMV), 2-3 (8-weight-row blocks), 4-7 (4 x 6 tiles, with 4-5 left over; AVX2: 3-row tiles, bf16 on
+# fp32 copies from 4 rows), 13 and 40 (several tiles, then a remainder). (N, K): N = 1 and N not a multiple of 8
+# or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
+# tail), and real layer sizes (2048 x 1536).
 SHAPES = [(1, 1), (7, 31), (9, 33), (13, 8), (64, 48), (48, 64), (130, 2049), (1536, 2048)]
 
 
@@ -91,11 +92,12 @@ def test_the_instruction_sets_agree() -> None:
 
 
 @DTYPES
-def test_same_bits_on_any_thread_count(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [3, 8])
+def test_same_bits_on_any_thread_count(dtype: torch.dtype, rows: int) -> None:
     # Each output element is summed by one thread in a fixed order: two processes with different thread counts
-    # must compute the same numbers.
+    # must compute the same numbers (8 rows: AVX2's bf16 runs on fp32 copies, one scratch buffer per thread).
     generator = torch.Generator().manual_seed(3)
-    x, w = _bf16(generator, 3, 2048, dtype=dtype), _bf16(generator, 1536, 2048, dtype=dtype)
+    x, w = _bf16(generator, rows, 2048, dtype=dtype), _bf16(generator, 1536, 2048, dtype=dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -72,7 +72,7 @@ ENV_CALIBRATION = "LAYERSWAP_CPU_CALIBRATION"
 ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 
 # Bump when a strategy's implementation or how it is measured changes, so decisions measured on the old code
-# are not reused.
+# are not reused. (An edit of the kernel's C++ source needs no bump: the cache key carries its digest.)
 # 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine;
 # 5: classes from 16 rows timed at counts inside them (23, 47, 95), -quant's with the layer's output copy;
 # 6: engines timed on several experts a call, run as the layer runs them, and larger slices from T=512;
@@ -261,7 +261,7 @@ def cpu_info() -> CpuInfo:
 
 
 def machine_key() -> dict[str, Any]:
-    """What a cached decision depends on besides its shape: the CPU and the torch that measured it."""
+    """What a cached decision depends on besides its shape: the CPU, the torch and the code that measured it."""
     info = cpu_info()
     return {
         "cpu": info.model,
@@ -270,6 +270,7 @@ def machine_key() -> dict[str, Any]:
         "cores": info.logical_cores,
         "torch": torch.__version__,
         "strategies": STRATEGY_SET_VERSION,
+        "kernel": cpu_native.identity(),
         "isa_limits": isa_limits(),
     }
 

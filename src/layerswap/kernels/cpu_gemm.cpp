@@ -63,6 +63,7 @@ struct Problem {
   Elem* out;
   int64_t ldx, ldw, ldo, rows, columns, depth;
   float* out_fp32 = nullptr;
+  const float* x_fp32 = nullptr;  // x widened to fp32 (bf16 on AVX2, several rows: columns_avx2_widened), ld depth
 };
 
 inline float to_float(uint16_t bf16) {
@@ -151,15 +152,18 @@ __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-template <class Elem, int MB, int NB>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p, int64_t m, int64_t n) {
+// An MB x NB tile of `out` from Src rows: the problem's own (Src = Elem), or fp32 copies of bf16 rows (x and w at
+// the tile's first rows, ldx and ldw their strides); `p` gives the depth, the output and the depth remainder.
+template <class Elem, class Src, int MB, int NB>
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
+                                                          const Src* w, int64_t ldw, int64_t m, int64_t n,
+                                                          const Elem* ahead = nullptr) {
+  constexpr bool kStream = std::is_same_v<Src, Elem>;  // weights from memory (fp32 copies sit in cache)
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const Elem* x = p.x + m * p.ldx;
-  const Elem* w = p.w + n * p.ldw;
   int64_t k = 0;
-  if constexpr (std::is_same_v<Elem, uint16_t> && MB == 1) {
+  if constexpr (std::is_same_v<Src, uint16_t> && MB == 1) {
     // One row of bf16, a weight stream: 16 values a 32-byte load, the even ones the low halves of its 32-bit lanes
     // (shifted up), the odd ones the high halves (masked), x split alike so the products pair up. Two integer
     // operations per 16 weights, where widening 8 at a time takes a load, a zero-extension and a shift per 8.
@@ -169,8 +173,8 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
       const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(x_raw, 16));
       const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x_raw, high));
       for (int j = 0; j < NB; ++j) {
-        const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * p.ldw + k));
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+        const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ldw + k));
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
         acc[0][j] = _mm256_fmadd_ps(x_even, _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), acc[0][j]);
         acc[0][j] = _mm256_fmadd_ps(x_odd, _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), acc[0][j]);
       }
@@ -179,32 +183,57 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
   for (; k + 8 <= p.depth; k += 8) {
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = load8(w + j * p.ldw + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+      wv[j] = load8(w + j * ldw + k);
+      if constexpr (kStream)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
     }
     for (int i = 0; i < MB; ++i) {
-      const __m256 xv = load8(x + i * p.ldx + k);
+      const __m256 xv = load8(x + i * ldx + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
+    if (ahead && k % (64 / sizeof(Elem)) == 0)
+      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * p.ldw + k), _MM_HINT_T0);
   }
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, sum_lanes(acc[i][j]));
 }
 
-template <class Elem, int NB>
-__attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, int64_t n) {
+// Every input row against NB weight rows (Src as in tile_avx2; x and w at row 0 and row n).
+template <class Elem, class Src, int NB>
+__attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
+                                                      const Src* w, int64_t ldw, int64_t n,
+                                                      const Elem* ahead = nullptr) {
   if constexpr (NB > 4) {  // one input row (run_rows): NB accumulators
-    for (int64_t m = 0; m < p.rows; ++m) tile_avx2<Elem, 1, NB>(p, m, n);
+    for (int64_t m = 0; m < p.rows; ++m) tile_avx2<Elem, Src, 1, NB>(p, x + m * ldx, ldx, w, ldw, m, n);
     return;
   }
   constexpr int MB = 3;  // 3 x 4 accumulators + 4 weight vectors + 1 input vector fit the 16 ymm registers
   int64_t m = 0;
-  for (; m + MB <= p.rows; m += MB) tile_avx2<Elem, MB, NB>(p, m, n);
+  for (; m + MB <= p.rows; m += MB)
+    tile_avx2<Elem, Src, MB, NB>(p, x + m * ldx, ldx, w, ldw, m, n, m == 0 ? ahead : nullptr);
   switch (p.rows - m) {
-    case 2: tile_avx2<Elem, 2, NB>(p, m, n); break;
-    case 1: tile_avx2<Elem, 1, NB>(p, m, n); break;
+    case 2: tile_avx2<Elem, Src, 2, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
+    case 1: tile_avx2<Elem, Src, 1, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
     default: break;
   }
+}
+
+// bf16 with several input rows (widen_x sets x_fp32 for those only): widening each weight vector in every tile
+// costs two integer operations per MB = 3 FMAs, on the ports the FMAs use. So NB weight rows are widened once
+// into `scratch` (in cache), and every tile runs in fp32 on them and on x widened once per call. The first tile
+// also prefetches the next block's weight rows (`ahead`), so that the widening does not wait for memory.
+template <class Elem, int NB>
+__attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem>& p, float* scratch, int64_t n,
+                                                               const Elem* ahead) {
+  const int64_t depth8 = p.depth / 8 * 8;
+  for (int j = 0; j < NB; ++j) {
+    const Elem* row = p.w + (n + j) * p.ldw;
+    for (int64_t k = 0; k < depth8; k += 8) {
+      _mm256_storeu_ps(scratch + j * depth8 + k, load8(row + k));
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+    }
+  }
+  columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
 }
 
 // --- the operator -------------------------------------------------------------------------------------------
@@ -213,13 +242,18 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, in
 // from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16 registers:
 // 4 weight rows x 3 input rows, and 8 weight rows for one input row (with the even/odd bf16 split, one bf16
 // expert took 0.86x the time of 4 rows widened 8 at a time on a Zen 3: 22.1 GB/s against 18.3; fp32 unchanged).
+// bf16 from 4 input rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
+// widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd): Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 /
+// 0.67x the time (115 GFLOP/s at 32 rows, was 77); Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
 template <class Elem, int NB>
-void run_block(const Problem<Elem>& p, int64_t isa, int64_t n) {
+void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, const Elem* ahead) {
   if (isa == kIsaAvx512Bf16) {
     if constexpr (NB == 8) columns_avx512<Elem, NB, 3>(p, n);
     else columns_avx512<Elem, NB, 6>(p, n);
+  } else if (p.x_fp32) {
+    columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
   } else {
-    columns_avx2<Elem, NB>(p, n);
+    columns_avx2<Elem, Elem, NB>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   }
 }
 
@@ -227,12 +261,31 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n) {
 template <class Elem>
 void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
   const int64_t block = (p.rows == 1 || (isa == kIsaAvx512Bf16 && p.rows <= 3)) ? 8 : 4;
+  std::vector<float> scratch(p.x_fp32 ? block * (p.depth / 8 * 8) : 0);
   int64_t n = first_row;
   for (; n + block <= last_row; n += block) {
-    if (block == 8) run_block<Elem, 8>(p, isa, n);
-    else run_block<Elem, 4>(p, isa, n);
+    const Elem* ahead = n + 2 * block <= last_row ? p.w + (n + block) * p.ldw : nullptr;
+    if (block == 8) run_block<Elem, 8>(p, isa, n, scratch.data(), ahead);
+    else run_block<Elem, 4>(p, isa, n, scratch.data(), ahead);
   }
-  for (; n < last_row; ++n) run_block<Elem, 1>(p, isa, n);
+  for (; n < last_row; ++n) run_block<Elem, 1>(p, isa, n, scratch.data(), nullptr);
+}
+
+// From this many input rows, bf16 on AVX2 runs on fp32 copies (columns_avx2_widened): with fewer, the rows fit
+// one 3-row tile, so each weight vector is widened once either way.
+constexpr int64_t kWidenRows = 4;
+
+// Sets p.x_fp32 where columns_avx2_widened applies, to the returned copy (which must outlive the calls).
+template <class Elem>
+std::vector<float> widen_x(Problem<Elem>& p, int64_t isa) {
+  std::vector<float> widened;
+  if (std::is_same_v<Elem, uint16_t> && isa == kIsaAvx2 && p.rows >= kWidenRows) {
+    widened.resize(p.rows * p.depth);
+    for (int64_t m = 0; m < p.rows; ++m)
+      for (int64_t k = 0; k < p.depth; ++k) widened[m * p.depth + k] = to_float(p.x[m * p.ldx + k]);
+    p.x_fp32 = widened.data();
+  }
+  return widened;
 }
 
 // 128 weight rows per task at least: a thread's share is then worth waking it for. Tasks start at multiples of
@@ -261,8 +314,9 @@ void parallel_units(int64_t units, int64_t grain, const F& f) {
 }
 
 template <class Elem>
-void run(const Problem<Elem>& p, int64_t isa) {
+void run(Problem<Elem> p, int64_t isa) {
   if (p.rows == 0 || p.columns == 0) return;
+  const std::vector<float> widened = widen_x(p, isa);
   const int64_t units = (p.columns + kRowAlignment - 1) / kRowAlignment;
   parallel_units(units, kRowsPerTask / kRowAlignment, [&](int64_t first, int64_t last) {
     run_rows(p, isa, first * kRowAlignment, std::min(last * kRowAlignment, p.columns));
@@ -293,6 +347,7 @@ void run_silu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor&
   Problem<Elem> gate_problem = problem<Elem>(x, gate, out);
   gate_problem.x += first_row * gate_problem.ldx;
   gate_problem.rows = rows;
+  const std::vector<float> widened = widen_x(gate_problem, isa);  // read by gate and up
   Problem<Elem> up_problem = gate_problem;
   up_problem.w = reinterpret_cast<const Elem*>(up.data_ptr());
   up_problem.ldw = up.stride(0);

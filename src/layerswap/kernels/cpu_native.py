@@ -76,6 +76,12 @@ def extension_name() -> str:
     return f"layerswap_cpu_{digest.hexdigest()[:12]}"
 
 
+def identity() -> str:
+    """What decisions measured with the kernel depend on (the CPU dispatch's cache key): its name, or "off" where
+    LAYERSWAP_CPU_KERNEL=0 turns it off. Neither builds anything."""
+    return "off" if _disabled() else extension_name()
+
+
 def _build_dir(name: str) -> Path:
     preferred = cache_dir() / "kernels" / name
     try:

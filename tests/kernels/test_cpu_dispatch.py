@@ -100,6 +100,25 @@ def test_each_strategy_matches_the_reference(plan: str, num_tokens: int, dtype: 
     check(got, expected(*problem), dtype)
 
 
+# A plan's worker threads are used: each worker runs whole experts on one thread, the caller none of them.
+@pytest.mark.parametrize("plan", ["layerswap_mixed_workers", "layerswap_grouped_workers", "layerswap_skinny_workers"])
+def test_a_plans_workers_run_its_experts(plan: str, monkeypatch) -> None:
+    from layerswap.kernels import _workers
+
+    splits = []
+    real_run_split = _workers.run_split
+
+    def spy(work, groups, workers):
+        splits.append((sorted(e for group in groups for e in group), workers))
+        return real_run_split(work, groups, workers)
+
+    monkeypatch.setattr(_workers, "run_split", spy)
+    problem = make_problem(40, dtype=torch.bfloat16)
+    check(run(PLANS[plan], *problem), expected(*problem), torch.bfloat16)
+    active = sorted(problem[3].unique().tolist())
+    assert splits == [(active, PLANS[plan].workers)]
+
+
 # One call with experts on both sides of min_rows (9 rows; 1 row), an expert with no rows, and expert-parallel
 # sentinels (ids >= E), which must add nothing, in every strategy.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -168,6 +168,7 @@ def layerswap(
         top_k_weights,
         activation=act,
         ops=plan.ops or None,
+        workers=plan.workers,
     )
 
 

@@ -87,10 +87,13 @@ inline void finish(const Problem<Elem>& p, int64_t m, int64_t n, int64_t k, floa
 
 // --- AVX-512 (bf16 through AVX512-BF16's vdpbf16ps, fp32 through FMA) ---------------------------------------
 
-// An MB x NB tile of `out`: MB input rows against NB weight rows, one 64-byte vector of depth per step.
+// An MB x NB tile of `out`: MB input rows against NB weight rows, one 64-byte vector of depth per step. The first
+// tile of a block (`stream`) reads the weight rows from memory or L2 and prefetches them into L1; each tile also
+// prefetches `ahead_rows` rows of the next block (from `ahead`, row `ahead_first` on) into L2, one line a step.
 template <class Elem, int MB, int NB>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
-    const Problem<Elem>& p, int64_t m, int64_t n) {
+    const Problem<Elem>& p, int64_t m, int64_t n, bool stream, const Elem* ahead, int ahead_first,
+    int ahead_rows) {
   constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
   constexpr int64_t kStep = 64 / sizeof(Elem);
   __m512 acc[MB][NB];
@@ -98,13 +101,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   const Elem* x = p.x + m * p.ldx;
   const Elem* w = p.w + n * p.ldw;
+  if (!ahead) ahead_rows = 0;
   int64_t k = 0;
   for (; k + kStep <= p.depth; k += kStep) {
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = _mm512_loadu_si512(w + j * p.ldw + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (stream) _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
     }
+    for (int j = ahead_first; j < ahead_first + ahead_rows; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * p.ldw + k), _MM_HINT_T1);
     for (int i = 0; i < MB; ++i) {
       const __m512i xv = _mm512_loadu_si512(x + i * p.ldx + k);
       for (int j = 0; j < NB; ++j) {
@@ -119,18 +125,31 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
     for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, _mm512_reduce_add_ps(acc[i][j]));
 }
 
-// Every input row against NB weight rows: MB rows at a time, the weight rows staying in L1 between them.
+// tile_avx512 for `rows` (at most R) input rows.
+template <class Elem, int R, int NB, class... Args>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_rows_avx512(const Problem<Elem>& p,
+                                                                                    int64_t rows, Args... args) {
+  if constexpr (R > 0) {
+    if (rows == R) tile_avx512<Elem, R, NB>(p, args...);
+    else tile_rows_avx512<Elem, R - 1, NB>(p, rows, args...);
+  }
+}
+
+// Every input row against NB weight rows: MB rows at a time, the weight rows staying in L1 between them. The
+// next block's rows (`ahead`) are prefetched across the tiles, so that memory works while the later tiles
+// compute from L1.
 template <class Elem, int NB, int MB>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const Problem<Elem>& p, int64_t n) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const Problem<Elem>& p, int64_t n,
+                                                                            const Elem* ahead) {
+  const int64_t tiles = (p.rows + MB - 1) / MB;
+  const int per_tile = static_cast<int>((NB + tiles - 1) / tiles);  // next-block rows each tile prefetches
   int64_t m = 0;
-  for (; m + MB <= p.rows; m += MB) tile_avx512<Elem, MB, NB>(p, m, n);
-  switch (p.rows - m) {  // the remaining rows (fewer than MB <= 6)
-    case 5: tile_avx512<Elem, 5, NB>(p, m, n); break;
-    case 4: tile_avx512<Elem, 4, NB>(p, m, n); break;
-    case 3: tile_avx512<Elem, 3, NB>(p, m, n); break;
-    case 2: tile_avx512<Elem, 2, NB>(p, m, n); break;
-    case 1: tile_avx512<Elem, 1, NB>(p, m, n); break;
-    default: break;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = (p.rows - m) / (tiles - t) + ((p.rows - m) % (tiles - t) != 0);  // balanced tiles
+    const int first = static_cast<int>(std::min<int64_t>(NB, t * per_tile));
+    const int count = std::min(NB - first, per_tile);
+    tile_rows_avx512<Elem, MB, NB>(p, rows, m, n, t == 0, ahead, first, count);
+    m += rows;
   }
 }
 
@@ -248,8 +267,8 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
 template <class Elem, int NB>
 void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, const Elem* ahead) {
   if (isa == kIsaAvx512Bf16) {
-    if constexpr (NB == 8) columns_avx512<Elem, NB, 3>(p, n);
-    else columns_avx512<Elem, NB, 6>(p, n);
+    if constexpr (NB == 8) columns_avx512<Elem, NB, 3>(p, n, ahead);
+    else columns_avx512<Elem, NB, 6>(p, n, ahead);
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
   } else {

@@ -101,7 +101,9 @@ def test_each_strategy_matches_the_reference(plan: str, num_tokens: int, dtype: 
 
 
 # A plan's worker threads are used: each worker runs whole experts on one thread, the caller none of them.
-@pytest.mark.parametrize("plan", ["layerswap_mixed_workers", "layerswap_grouped_workers", "layerswap_skinny_workers"])
+@pytest.mark.parametrize(
+    "plan", ["layerswap_mixed_workers", "layerswap_grouped_workers", "layerswap_skinny_workers"]
+)
 def test_a_plans_workers_run_its_experts(plan: str, monkeypatch) -> None:
     from layerswap.kernels import _workers
 

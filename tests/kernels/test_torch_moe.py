@@ -348,3 +348,18 @@ def test_skinny_engine_with_any_activation(activation: str, dtype: torch.dtype) 
         want = reference._expert_mlp(rows, gate_up, down, act, out=torch.empty_like(rows), op="row")
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+# The no-grad weighting runs through one small reused buffer, chunk by chunk: the same sums, in the same order,
+# as weighting every pair's output at once (a chunk of 3 rows here: chunks end inside one token's pairs).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_weighting_is_the_whole_weighting(dtype: torch.dtype, monkeypatch) -> None:
+    experts = make_experts().to(dtype)
+    x = torch.randn(37, HIDDEN).to(dtype)
+    index, weights = make_routing(37, 8, 2)
+    args = (x, experts.gate_up_proj, experts.down_proj, index, weights.to(dtype))
+    with torch.no_grad():
+        whole = fused_moe_reference(*args)
+        monkeypatch.setattr(reference, "_WEIGHTED_CHUNK_BYTES", 3 * 4 * HIDDEN)
+        chunked = fused_moe_reference(*args)
+    assert torch.equal(chunked, whole)

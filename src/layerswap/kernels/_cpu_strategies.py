@@ -274,7 +274,7 @@ def upcast(
 
     pair_weights = top_k_weights.reshape(-1)[order].to(torch.float32)
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32)
-    out.index_add_(0, token_of_pair, expert_out * pair_weights[:, None])
+    out.index_add_(0, token_of_pair, expert_out.mul_(pair_weights[:, None]))
     return out.to(hidden_states.dtype)
 
 

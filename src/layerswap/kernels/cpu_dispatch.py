@@ -76,8 +76,9 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 # 2: per-row-count engines in `layerswap`; 3: calibration calls never share experts; 4: the "skinny" engine;
 # 5: classes from 16 rows timed at counts inside them (23, 47, 95), -quant's with the layer's output copy;
 # 6: engines timed on several experts a call, run as the layer runs them, and larger slices from T=512;
-# 7: the "skinny" engine timed at every row count, not only up to 8 rows
-STRATEGY_SET_VERSION = 7
+# 7: the "skinny" engine timed at every row count, not only up to 8 rows; 8: a `layerswap` plan's worker threads
+# are used (before, its experts ran in the calling thread, so the worker candidate was timed without them)
+STRATEGY_SET_VERSION = 8
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely

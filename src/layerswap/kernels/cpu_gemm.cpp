@@ -87,6 +87,9 @@ inline void finish(const Problem<Elem>& p, int64_t m, int64_t n, int64_t k, floa
 
 // --- AVX-512 (bf16 through AVX512-BF16's vdpbf16ps, fp32 through FMA) ---------------------------------------
 
+// Prefetching the next block across the tiles (below) made one expert's gated MLP take 0.62-0.86x the time in
+// bf16 at 1-32 rows, 0.74-0.93x in fp32, on a 2-core Zen 4 (Qwen3-30B-A3B's shape, 32 experts a call, the same
+// sums): at 4-6 rows 24.8 GB/s against 16.4, where only the current rows were prefetched, 512 bytes ahead.
 // An MB x NB tile of `out`: MB input rows against NB weight rows, one 64-byte vector of depth per step. The first
 // tile of a block (`stream`) reads the weight rows from memory or L2 and prefetches them into L1; each tile also
 // prefetches `ahead_rows` rows of the next block (from `ahead`, row `ahead_first` on) into L2, one line a step.

@@ -439,5 +439,27 @@ def fused_moe_reference(
 
     pair_weights = top_k_weights.reshape(-1)[order].to(torch.float32)
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden_states.device)
-    out.index_add_(0, token_of_pair, expert_out.to(torch.float32) * pair_weights[:, None])
+    if differentiable or out.device.type != "cpu":
+        out.index_add_(0, token_of_pair, expert_out.to(torch.float32) * pair_weights[:, None])
+    else:
+        _add_weighted(out, token_of_pair, expert_out, pair_weights)
     return out.to(hidden_states.dtype)
+
+
+_WEIGHTED_CHUNK_BYTES = 4 << 20
+
+
+def _add_weighted(
+    out: torch.Tensor, token_of_pair: torch.Tensor, expert_out: torch.Tensor, pair_weights: torch.Tensor
+) -> None:
+    """out[token_of_pair[i]] += expert_out[i] * pair_weights[i] in fp32, through one reused buffer of at most
+    4 MiB instead of an fp32 copy of every pair's output: at 512 tokens of a top-8 layer that copy is 32 MB of
+    fresh memory a call, and its page faults made the weighting 16x slower (26 ms against 1.6 on a Zen 4, the
+    same sums in the same order)."""
+    pairs, hidden = expert_out.shape
+    rows = max(1, min(pairs, _WEIGHTED_CHUNK_BYTES // (4 * hidden)))
+    buffer = torch.empty(rows, hidden, dtype=torch.float32, device=out.device)
+    for start in range(0, pairs, rows):
+        stop = min(start + rows, pairs)
+        chunk = buffer[: stop - start].copy_(expert_out[start:stop]).mul_(pair_weights[start:stop, None])
+        out.index_add_(0, token_of_pair[start:stop], chunk)

@@ -18,7 +18,8 @@ The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is s
 three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
 cached in memory and on disk, keyed by the CPU model, its flags, its core count, torch's version and thread
-count, the strategy set's version, and any instruction-set cap set in the environment (`ISA_LIMIT_ENV`:
+count, the strategy set's version, the build of layerswap's kernel (`cpu_native.identity`: a digest of its
+source, or "off"), and any instruction-set cap set in the environment (`ISA_LIMIT_ENV`:
 ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY, ...), which the libraries read at start-up;
 fp32 decisions also by the fp32 matmul precision (`fp32_matmul_mode`), which a program may change at any time.
 

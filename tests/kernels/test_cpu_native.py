@@ -80,6 +80,26 @@ def test_strided_operands_and_output(isa: str, dtype: torch.dtype) -> None:
     assert buffer[:, :3].eq(0).all() and buffer[:, 43:].eq(0).all()  # nothing written outside the window
 
 
+# One nonzero product per output: its sum is that product exactly, so the output is the product rounded once,
+# as torch rounds it (bf16: to nearest even); NaN and infinity come through. 8 rows and 8 weight rows: whole
+# 4 x 4 groups (the outputs stored four at a time) and, with 1 row, the one-by-one path.
+@DTYPES
+@pytest.mark.parametrize("isa", cpu_native.supported_isas())
+@pytest.mark.parametrize("rows", [1, 8])
+def test_outputs_are_rounded_once_and_keep_nan_and_infinity(isa: str, rows: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(4)
+    x, w = torch.zeros(rows, 64, dtype=dtype), torch.zeros(8, 64, dtype=dtype)
+    x[:, 5] = _bf16(generator, rows, dtype=dtype) * 3
+    w[:, 5] = _bf16(generator, 8, dtype=dtype) * 3
+    w[3, 5] = float("inf")
+    x[0, 5] = float("nan")
+    want = (x[:, 5, None].float() * w[None, :, 5].float()).to(dtype)
+    got = cpu_native.skinny_mm(x, w, isa=isa)
+    assert got[0].isnan().all() and got[1:, 3].isinf().all()
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite])
+
+
 def test_the_instruction_sets_agree() -> None:
     isas = cpu_native.supported_isas()
     if len(isas) < 2:

@@ -12,7 +12,15 @@ import time
 import pytest
 import torch
 
-from layerswap.kernels import Plan, cpu_dispatch, cpu_native, fused_moe, fused_moe_reference, torch_moe
+from layerswap.kernels import (
+    Plan,
+    _workers,
+    cpu_dispatch,
+    cpu_native,
+    fused_moe,
+    fused_moe_reference,
+    torch_moe,
+)
 from layerswap.kernels import _cpu_strategies as strategies
 from layerswap.kernels.cpu_dispatch import CpuInfo
 from layerswap.kernels.torch_moe import EXPERT_OPS, ROW_CLASSES, resolve_activation
@@ -105,8 +113,6 @@ def test_each_strategy_matches_the_reference(plan: str, num_tokens: int, dtype: 
     "plan", ["layerswap_mixed_workers", "layerswap_grouped_workers", "layerswap_skinny_workers"]
 )
 def test_a_plans_workers_run_its_experts(plan: str, monkeypatch) -> None:
-    from layerswap.kernels import _workers
-
     splits = []
     real_run_split = _workers.run_split
 

@@ -880,8 +880,9 @@ def _plan_for(
         candidates = [Plan("stock"), engines]
         threads = torch.get_num_threads()
         if threads > 1:  # whole experts per core, one thread each, instead of every GEMM split over the cores
-            # With the engines measured in this thread: measuring them again on a worker doubled a shape's
-            # first call (EPYC-AVX512: 1.15 s against 0.59 in bf16), for a candidate that lost every bucket there.
+            # With the engines measured in this thread: measuring them again on a worker made a shape's first
+            # call 1.7-1.9x as long (EPYC-AVX512: 1.15 s against 0.68 in bf16, 1.62 against 0.87 in fp32), for
+            # a candidate that lost every bucket there.
             candidates.append(replace(engines, workers=threads))
         if dtype in _REDUCED:
             crossover_key = f"{shape_key}|crossover"

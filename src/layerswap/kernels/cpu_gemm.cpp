@@ -313,8 +313,9 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
 // 4 weight rows x 3 input rows, and 8 weight rows for one input row (with the even/odd bf16 split, one bf16
 // expert took 0.86x the time of 4 rows widened 8 at a time on a Zen 3: 22.1 GB/s against 18.3; fp32 unchanged).
 // bf16 from 4 input rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
-// widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd): Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 /
-// 0.67x the time (115 GFLOP/s at 32 rows, was 77); Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
+// widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd):
+// Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77);
+// Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
 template <class Elem, int NB>
 void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, const Elem* ahead) {
   if (isa == kIsaAvx512Bf16) {

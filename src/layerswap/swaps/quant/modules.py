@@ -393,9 +393,8 @@ class LinearExperts(nn.ModuleList):
             for number, (position, _) in enumerate(on_kernel):
                 outputs[position] = kernel_out[bounds[2 * number] : bounds[2 * number + 1]]
         if outputs:
-            weighted = torch.cat(outputs).mul_(
-                weight_of_pair
-            )  # in place: no second [pairs, H] of fresh memory
+            # In place: no second [pairs, H] tensor of fresh memory.
+            weighted = torch.cat(outputs).mul_(weight_of_pair)
             output.index_add_(0, token_of_pair, weighted.to(output.dtype))
         if chunk_size is not None:
             self._run_experts_on_unrouted_tokens(hidden_states, top_k_index, chunk_size)

@@ -787,6 +787,41 @@ def test_calibration_stops_timing_hopeless_candidates() -> None:
     }
 
 
+def test_calibration_stops_once_a_candidate_leads_clearly() -> None:
+    """Rounds beyond the minimum are spent only where candidates are close: once one candidate's slowest call
+    beats every other's fastest (after the minimum rounds, or by `early_gap` after two), the order is settled."""
+
+    def sleeping(seconds: float) -> cpu_dispatch.Call:
+        return lambda _round, _call: time.sleep(seconds)
+
+    calls = {"fast": sleeping(0.002), "stock": sleeping(0.01)}
+
+    def rounds(**kwargs) -> set[int]:
+        times = cpu_dispatch._interleaved_ms(calls, 3, 12, 60.0, seed=0, **kwargs)
+        return {len(values) for values in times.values()}
+
+    assert rounds() == {12}  # the budget lasts: every round
+    assert rounds(until_clear=True) == {3}
+    assert rounds(until_clear=True, early_gap=1.25) == {2}
+
+
+def test_a_clear_leader_is_faster_in_every_call() -> None:
+    times = {"a": [1.0, 1.2, 1.1], "b": [1.3, 1.4, 1.25], "stock": [2.0, 2.1, 1.9]}
+    assert cpu_dispatch._clear_leader(times, list(times), 1.0)
+    assert not cpu_dispatch._clear_leader(times, list(times), 1.1)  # 1.1 x 1.2 > 1.25
+    times["b"][2] = 1.15  # below a's slowest call
+    assert not cpu_dispatch._clear_leader(times, list(times), 1.0)
+    assert cpu_dispatch._clear_leader(times, ["a", "stock"], 1.0)  # b no longer timed: only the others count
+
+
+def test_engine_warm_up_runs_one_expert() -> None:
+    """The untimed warm-up compiles and allocates for the row count on one expert, not the call's four."""
+    seen: list[list[int]] = []
+    call = cpu_dispatch._on_next_experts(lambda experts: seen.append(list(experts)), 4, 16)
+    cpu_dispatch._interleaved_ms({"stock": call}, 3, 3, 0.0, seed=0)
+    assert [len(experts) for experts in seen] == [1, 4, 4, 4]
+
+
 def test_engines_hopeless_at_few_rows_are_not_timed_at_more(calibrating, monkeypatch) -> None:
     """An engine far slower than the best at one row count is not timed at the larger ones, except the
     reference, which a tie keeps."""

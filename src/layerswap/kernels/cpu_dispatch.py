@@ -79,8 +79,9 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 # 6: engines timed on several experts a call, run as the layer runs them, and larger slices from T=512;
 # 7: the "skinny" engine timed at every row count, not only up to 8 rows; 8: a `layerswap` plan's worker threads
 # are used (before, its experts ran in the calling thread, so the worker candidate was timed without them), and
-# the worker candidate runs the engines measured in the calling thread
-STRATEGY_SET_VERSION = 8
+# the worker candidate runs the engines measured in the calling thread; 9: timing stops once a candidate leads
+# clearly (engines: after two rounds by `_ENGINE_EARLY_GAP`), engine warm-ups on one expert, a 0.2 s budget
+STRATEGY_SET_VERSION = 9
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -88,13 +89,17 @@ _CACHE_FORMAT = 1
 _MARGIN = 0.97
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 12
-_BUDGET_S = 0.3  # per calibration, after _MIN_ROUNDS: more rounds while it lasts
+_BUDGET_S = 0.2  # per calibration, after _MIN_ROUNDS: more rounds while it lasts
 # Candidates this much slower than the best (fastest calls) stop being timed: after the first round by the larger
 # factor, after three by the smaller. On an AVX2-only Zen 3, torch's bf16 engines take 3-15x the kernel's time from
 # 4 rows on (a weight-major call at 95 rows: 300 ms against 24), and timing each of them four times made a bf16
 # shape's first call take 12 s.
 _EARLY_DROP_FACTOR = 3.0
 _DROP_FACTOR = 2.0
+# An engine that leads the others by this factor after two rounds (its slower call against their faster ones) has
+# won its row-count class: a class's timing then costs 3 calls per engine instead of 4. Engines only: a plan that
+# beats stock must do so over at least `_MIN_ROUNDS` rounds, in the calibration of its bucket.
+_ENGINE_EARLY_GAP = 1.25
 # An engine this much slower than the best at one row count is not timed at the larger ones (its reference, the
 # engine a tie keeps, always is).
 _HOPELESS_FACTOR = 8.0
@@ -489,12 +494,21 @@ def _experts_of_call(call_number: int, footprint: int, num_experts: int) -> int:
 
 
 def _interleaved_ms(
-    calls: dict[str, Call], min_rounds: int, max_rounds: int, budget_s: float, seed: int
+    calls: dict[str, Call],
+    min_rounds: int,
+    max_rounds: int,
+    budget_s: float,
+    seed: int,
+    until_clear: bool = False,
+    early_gap: float = math.inf,
 ) -> dict[str, list[float]]:
-    """Per-call ms of each candidate, taking turns in an order shuffled every round (one warm-up call first).
-    Candidates whose fastest call is `_EARLY_DROP_FACTOR` slower than the best one after the first round, or
-    `_DROP_FACTOR` slower after the third, are no longer timed, except "stock", the reference every decision is
-    a ratio to."""
+    """Per-call ms of each candidate, taking turns in an order shuffled every round (one warm-up call first),
+    for `min_rounds` rounds, then while `budget_s` lasts (up to `max_rounds`) or, with `until_clear`, until one
+    candidate leads clearly (`_clear_leader`), or by the factor `early_gap` already after two rounds: where the
+    decision is the fastest candidate, more rounds would then not change it, and they are spent only where
+    candidates are close. Candidates whose fastest call is
+    `_EARLY_DROP_FACTOR` slower than the best one after the first round, or `_DROP_FACTOR` slower after the
+    third, are no longer timed, except "stock", the reference every decision is a ratio to."""
     for call in calls.values():
         call(0, next(_call_numbers))
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -512,9 +526,22 @@ def _interleaved_ms(
             factor = _EARLY_DROP_FACTOR if round_index == 0 else _DROP_FACTOR
             best = min(min(times[n]) for n in alive)
             alive = [n for n in alive if n == "stock" or min(times[n]) <= factor * best]
-        if round_index + 1 >= min_rounds and time.perf_counter() - started > budget_s:
+        rounds = round_index + 1
+        if until_clear and rounds >= 2:
+            if _clear_leader(times, alive, 1.0 if rounds >= min_rounds else early_gap):
+                break
+        if rounds >= min_rounds and time.perf_counter() - started > budget_s:
             break
     return times
+
+
+def _clear_leader(times: dict[str, list[float]], alive: Sequence[str], gap: float) -> bool:
+    """Whether one candidate's slowest call was `gap` times faster than every other candidate's fastest. Over 3
+    rounds equal candidates order themselves so (gap 1) with a chance of 1 in 10 for two, far less for more,
+    and the candidate that leads by chance then leads by little."""
+    slowest = {name: max(times[name]) for name in alive}
+    leader = min(slowest, key=slowest.__getitem__)
+    return all(gap * slowest[leader] < min(times[name]) for name in alive if name != leader)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -591,11 +618,13 @@ def _on_next_expert(run: Callable[[int], object], num_experts: int) -> Call:
 
 
 def _on_next_experts(run: Callable[[Sequence[int]], object], group: int, num_experts: int) -> Call:
-    """A calibration call of `run(experts)` on the `group` consecutive experts its call number picks."""
+    """A calibration call of `run(experts)` on the `group` consecutive experts its call number picks; the
+    untimed warm-up call (round 0) on the first of them only: it compiles and allocates for the row count as
+    well, at a fraction of the cost."""
 
-    def call(_: int, call_number: int) -> object:
+    def call(round_index: int, call_number: int) -> object:
         first = _experts_of_call(call_number, group, num_experts)
-        return run([(first + j) % num_experts for j in range(group)])
+        return run([(first + j) % num_experts for j in range(group if round_index else 1)])
 
     return call
 
@@ -653,7 +682,15 @@ def _fastest_engines(
             calls = {
                 f"{op}@{m}": _on_next_experts(engine(op, rows, m), group, num_experts) for op in candidates
             }
-            times = _interleaved_ms(calls, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S / len(_ENGINE_ROWS), seed=m)
+            times = _interleaved_ms(
+                calls,
+                _MIN_ROUNDS,
+                _MAX_ROUNDS,
+                _BUDGET_S / len(_ENGINE_ROWS),
+                seed=m,
+                until_clear=True,
+                early_gap=_ENGINE_EARLY_GAP,
+            )
             timed = {name.partition("@")[0]: _median(t) / group for name, t in times.items() if t}
             medians.update({f"{op}@{m}": ms for op, ms in timed.items()})
             best = min(timed, key=timed.__getitem__)
@@ -776,7 +813,12 @@ def _calibrate_bucket(
 
     with torch.no_grad():
         times = _interleaved_ms(
-            {n: call(p) for n, p in by_name.items()}, _MIN_ROUNDS, _MAX_ROUNDS, _BUDGET_S, bucket
+            {n: call(p) for n, p in by_name.items()},
+            _MIN_ROUNDS,
+            _MAX_ROUNDS,
+            _BUDGET_S,
+            bucket,
+            until_clear=True,
         )
     medians = {name: _median(t) for name, t in times.items() if t}
     stock_times = times["stock"]

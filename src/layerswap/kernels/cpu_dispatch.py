@@ -11,9 +11,9 @@ shape) a short calibration runs each candidate strategy (`stock`, whose computat
 `grouped_mm`, `layerswap` with the measured engines, in this thread and, with several intra-op threads,
 split over single-threaded worker threads with the same engines, and for bf16/fp16 `upcast`) on a slice of the real problem (the
 bucket's routing restricted to a few experts), taking turns call by call so that load from other processes
-hits every candidate alike. Every calibration call, of every candidate, runs on the experts after those of the
-call before it, so its weights come from memory as in a real forward pass, not from the cache the previous
-candidate warmed.
+hits every candidate alike, until one candidate leads clearly or a short budget is spent (`_interleaved_ms`).
+Every calibration call, of every candidate, runs on the experts after those of the call before it, so its
+weights come from memory as in a real forward pass, not from the cache the previous candidate warmed.
 The fastest wins only by a margin over stock (`_MARGIN`), so the worst case is stock's speed. `-quant`'s experts,
 three separate nn.Linear projections each, get the same per-row-count measurement over their own layout
 (`linear_expert_ops`), where nn.Linear's own `x @ W.T` is the reference to beat. Decisions are
@@ -527,9 +527,9 @@ def _interleaved_ms(
             best = min(min(times[n]) for n in alive)
             alive = [n for n in alive if n == "stock" or min(times[n]) <= factor * best]
         rounds = round_index + 1
-        if until_clear and rounds >= 2:
-            if _clear_leader(times, alive, 1.0 if rounds >= min_rounds else early_gap):
-                break
+        gap = 1.0 if rounds >= min_rounds else early_gap  # how clearly a leader must lead to stop now
+        if until_clear and rounds >= 2 and _clear_leader(times, alive, gap):
+            break
         if rounds >= min_rounds and time.perf_counter() - started > budget_s:
             break
     return times

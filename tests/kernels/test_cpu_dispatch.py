@@ -794,7 +794,7 @@ def test_calibration_stops_once_a_candidate_leads_clearly() -> None:
     def sleeping(seconds: float) -> cpu_dispatch.Call:
         return lambda _round, _call: time.sleep(seconds)
 
-    calls = {"fast": sleeping(0.002), "stock": sleeping(0.01)}
+    calls = {"fast": sleeping(0.001), "stock": sleeping(0.02)}
 
     def rounds(**kwargs) -> set[int]:
         times = cpu_dispatch._interleaved_ms(calls, 3, 12, 60.0, seed=0, **kwargs)

@@ -506,9 +506,9 @@ def _interleaved_ms(
     for `min_rounds` rounds, then while `budget_s` lasts (up to `max_rounds`) or, with `until_clear`, until one
     candidate leads clearly (`_clear_leader`), or by the factor `early_gap` already after two rounds: where the
     decision is the fastest candidate, more rounds would then not change it, and they are spent only where
-    candidates are close. Candidates whose fastest call is
-    `_EARLY_DROP_FACTOR` slower than the best one after the first round, or `_DROP_FACTOR` slower after the
-    third, are no longer timed, except "stock", the reference every decision is a ratio to."""
+    candidates are close. Candidates whose fastest call is `_EARLY_DROP_FACTOR` slower than the best one after
+    the first round, or `_DROP_FACTOR` slower after the third, are no longer timed, except "stock", the
+    reference every decision is a ratio to."""
     for call in calls.values():
         call(0, next(_call_numbers))
     times: dict[str, list[float]] = {name: [] for name in calls}

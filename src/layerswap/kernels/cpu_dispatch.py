@@ -80,7 +80,7 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 # 7: the "skinny" engine timed at every row count, not only up to 8 rows; 8: a `layerswap` plan's worker threads
 # are used (before, its experts ran in the calling thread, so the worker candidate was timed without them), and
 # the worker candidate runs the engines measured in the calling thread; 9: timing stops once a candidate leads
-# clearly (engines: after two rounds by `_ENGINE_EARLY_GAP`), engine warm-ups on one expert, a 0.2 s budget
+# clearly (engines: after two rounds by `_ENGINE_EARLY_GAP`), engine warm-ups on one expert
 STRATEGY_SET_VERSION = 9
 _CACHE_FORMAT = 1
 
@@ -89,7 +89,11 @@ _CACHE_FORMAT = 1
 _MARGIN = 0.97
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 12
-_BUDGET_S = 0.2  # per calibration, after _MIN_ROUNDS: more rounds while it lasts
+# Per calibration, after _MIN_ROUNDS: more rounds while it lasts, unless one candidate leads clearly. Close races
+# need them: capped to AVX2 on a Zen 4, torch's bf16 GEMV and layerswap's kernel time within 5-30% of each other
+# at one row, -quant's engine measurement read the GEMV at 0.53-0.83 ms an expert from run to run, and a 0.2 s
+# budget once chose the kernel there, 1.21x stock's time at T=1 where the GEMV runs at 1.03x.
+_BUDGET_S = 0.3
 # Candidates this much slower than the best (fastest calls) stop being timed: after the first round by the larger
 # factor, after three by the smaller. On an AVX2-only Zen 3, torch's bf16 engines take 3-15x the kernel's time from
 # 4 rows on (a weight-major call at 95 rows: 300 ms against 24), and timing each of them four times made a bf16

@@ -89,10 +89,10 @@ _CACHE_FORMAT = 1
 _MARGIN = 0.97
 _MIN_ROUNDS = 3
 _MAX_ROUNDS = 12
-# Per calibration, after _MIN_ROUNDS: more rounds while it lasts, unless one candidate leads clearly. Close races
-# need them: capped to AVX2 on a Zen 4, torch's bf16 GEMV and layerswap's kernel time within 5-30% of each other
-# at one row, -quant's engine measurement read the GEMV at 0.53-0.83 ms an expert from run to run, and a 0.2 s
-# budget once chose the kernel there, 1.21x stock's time at T=1 where the GEMV runs at 1.03x.
+# Per calibration, after _MIN_ROUNDS: more rounds while it lasts, unless one candidate leads clearly. Close
+# races may need them: capped to AVX2 on a Zen 4, torch's bf16 GEMV and layerswap's kernel time within 5-30% of
+# each other at one row, -quant's engine measurement read the GEMV at 0.53-0.83 ms an expert from run to run,
+# and one calibration on a 0.2 s budget chose the kernel there, 1.21x stock's time at T=1 (the GEMV: 1.03x).
 _BUDGET_S = 0.3
 # Candidates this much slower than the best (fastest calls) stop being timed: after the first round by the larger
 # factor, after three by the smaller. On an AVX2-only Zen 3, torch's bf16 engines take 3-15x the kernel's time from

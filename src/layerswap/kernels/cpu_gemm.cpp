@@ -35,7 +35,27 @@ namespace {
 
 constexpr int64_t kIsaAvx2 = 1;        // AVX2 + FMA (bf16 widened to fp32)
 constexpr int64_t kIsaAvx512Bf16 = 2;  // AVX-512 with BF16: vdpbf16ps, two products per fp32 lane
-constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight row's loads
+constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight row's loads, into L1
+// With at most kStreamRows input rows the GEMM is a weight stream: its rows are prefetched 32 lines ahead into L2
+// instead of 8 lines ahead into L1 (with no software prefetch at all, the AVX2 one-row bf16 stream already ran
+// 0.77-0.86x the time of the near one: that one held it back). On a 2-core Zen 4, one expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at
+// 1 / 2 / 3 rows:
+// - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x; one row on
+//   one thread streamed 16 GB/s of weights, was 12); AVX2 fp32 0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x);
+// - AVX-512 bf16 0.94-0.95x (0.90-0.98x), fp32 0.98-0.99x (0.92-0.98x).
+// From 4 rows on, where the tiles compute from L1, the near prefetch stays: AVX2's fp32 tiles took 1.03-1.07x the
+// time at 8-32 rows with the far one.
+constexpr int64_t kStreamRows = 3;
+constexpr int64_t kFarPrefetchBytes = 2048;
+
+// Prefetches a weight row's stream `at` the current load: far into L2 (kFar: a few input rows), else near into L1.
+// A compile-time choice: a run-time one in the tiles cost AVX2's fp32 tiles 1.1-1.5x the time at 8-32 rows.
+template <bool kFar>
+inline void prefetch_stream(const void* at) {
+  const char* bytes = static_cast<const char*>(at);
+  if constexpr (kFar) _mm_prefetch(bytes + kFarPrefetchBytes, _MM_HINT_T1);
+  else _mm_prefetch(bytes + kPrefetchBytes, _MM_HINT_T0);
+}
 
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
@@ -128,7 +148,7 @@ __attribute__((target("avx512f"))) inline void store4(const Problem<Elem>& p, in
 // That prefetch made one expert's gated MLP take 0.62-0.86x the time in bf16 at 1-32 rows, 0.74-0.93x in fp32,
 // on a 2-core Zen 4 (Qwen3-30B-A3B's shape, 32 experts a call, the same sums): at 4-6 rows 24.8 GB/s against
 // 16.4, where only the current rows were prefetched, 512 bytes ahead.
-template <class Elem, int MB, int NB>
+template <class Elem, int MB, int NB, bool kFar>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
     const Problem<Elem>& p, int64_t m, int64_t n, bool stream, const Elem* ahead, int ahead_first,
     int ahead_rows) {
@@ -145,7 +165,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = _mm512_loadu_si512(w + j * p.ldw + k);
-      if (stream) _mm_prefetch(reinterpret_cast<const char*>(w + j * p.ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+      if (stream) prefetch_stream<kFar>(w + j * p.ldw + k);
     }
     for (int j = ahead_first; j < ahead_first + ahead_rows; ++j)
       _mm_prefetch(reinterpret_cast<const char*>(ahead + j * p.ldw + k), _MM_HINT_T1);
@@ -177,12 +197,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_avx512(
 }
 
 // tile_avx512 for `rows` (at most R) input rows.
-template <class Elem, int R, int NB, class... Args>
+template <class Elem, int R, int NB, bool kFar, class... Args>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_rows_avx512(const Problem<Elem>& p,
                                                                                     int64_t rows, Args... args) {
   if constexpr (R > 0) {
-    if (rows == R) tile_avx512<Elem, R, NB>(p, args...);
-    else tile_rows_avx512<Elem, R - 1, NB>(p, rows, args...);
+    if (rows == R) tile_avx512<Elem, R, NB, kFar>(p, args...);
+    else tile_rows_avx512<Elem, R - 1, NB, kFar>(p, rows, args...);
   }
 }
 
@@ -192,6 +212,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void tile_rows_avx
 template <class Elem, int NB, int MB>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const Problem<Elem>& p, int64_t n,
                                                                             const Elem* ahead) {
+  static_assert(MB >= kStreamRows);
+  if (p.rows <= kStreamRows) {  // one tile, a weight stream
+    tile_rows_avx512<Elem, kStreamRows, NB, true>(p, p.rows, int64_t{0}, n, true, ahead, 0, NB);
+    return;
+  }
   const int64_t tiles = (p.rows + MB - 1) / MB;
   const int per_tile = static_cast<int>((NB + tiles - 1) / tiles);  // next-block rows each tile prefetches
   int64_t m = 0;
@@ -199,7 +224,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void columns_avx512(const
     const int64_t rows = (p.rows - m) / (tiles - t) + ((p.rows - m) % (tiles - t) != 0);  // balanced tiles
     const int first = static_cast<int>(std::min<int64_t>(NB, t * per_tile));
     const int count = std::min(NB - first, per_tile);
-    tile_rows_avx512<Elem, MB, NB>(p, rows, m, n, t == 0, ahead, first, count);
+    tile_rows_avx512<Elem, MB, NB, false>(p, rows, m, n, t == 0, ahead, first, count);
     m += rows;
   }
 }
@@ -225,8 +250,8 @@ __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
 // An MB x NB tile of `out` from Src rows: the problem's own (Src = Elem), or fp32 copies of bf16 rows (x and w at
 // the tile's first rows, ldx and ldw their strides); `p` gives the depth, the output and the depth remainder.
 // With fp32 copies, the tile also prefetches `ahead_rows` rows of the next block (from `ahead`, row `ahead_first`
-// on) into L2, one line a row per line of depth, for the widening that reads them next.
-template <class Elem, class Src, int MB, int NB>
+// on) into L2, one line a row per line of depth, for the widening that reads them next. kFar: prefetch_stream's.
+template <class Elem, class Src, int MB, int NB, bool kFar = false>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
                                                           const Src* w, int64_t ldw, int64_t m, int64_t n,
                                                           const Elem* ahead = nullptr, int ahead_first = 0,
@@ -247,7 +272,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
       const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x_raw, high));
       for (int j = 0; j < NB; ++j) {
         const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ldw + k));
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+        prefetch_stream<kFar>(w + j * ldw + k);
         acc[0][j] = _mm256_fmadd_ps(x_even, _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), acc[0][j]);
         acc[0][j] = _mm256_fmadd_ps(x_odd, _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), acc[0][j]);
       }
@@ -257,8 +282,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = load8(w + j * ldw + k);
-      if constexpr (kStream)
-        _mm_prefetch(reinterpret_cast<const char*>(w + j * ldw + k) + kPrefetchBytes, _MM_HINT_T0);
+      if constexpr (kStream) prefetch_stream<kFar>(w + j * ldw + k);
     }
     for (int i = 0; i < MB; ++i) {
       const __m256 xv = load8(x + i * ldx + k);
@@ -272,13 +296,13 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
     for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, sum_lanes(acc[i][j]));
 }
 
-// Every input row against NB weight rows (Src as in tile_avx2; x and w at row 0 and row n).
-template <class Elem, class Src, int NB>
+// Every input row against NB weight rows (Src and kFar as in tile_avx2; x and w at row 0 and row n).
+template <class Elem, class Src, int NB, bool kFar = false>
 __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
                                                       const Src* w, int64_t ldw, int64_t n,
                                                       const Elem* ahead = nullptr) {
   if constexpr (NB > 4) {  // one input row (run_rows): NB accumulators
-    for (int64_t m = 0; m < p.rows; ++m) tile_avx2<Elem, Src, 1, NB>(p, x + m * ldx, ldx, w, ldw, m, n);
+    for (int64_t m = 0; m < p.rows; ++m) tile_avx2<Elem, Src, 1, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n);
     return;
   }
   constexpr int MB = 3;  // 3 x 4 accumulators + 4 weight vectors + 1 input vector fit the 16 ymm registers
@@ -287,11 +311,12 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, co
   int64_t m = 0;
   for (int64_t t = 0; m + MB <= p.rows; m += MB, ++t) {
     const int first = static_cast<int>(std::min<int64_t>(NB, t * per_tile));
-    tile_avx2<Elem, Src, MB, NB>(p, x + m * ldx, ldx, w, ldw, m, n, ahead, first, std::min(NB - first, per_tile));
+    tile_avx2<Elem, Src, MB, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n, ahead, first,
+                                       std::min(NB - first, per_tile));
   }
   switch (p.rows - m) {
-    case 2: tile_avx2<Elem, Src, 2, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
-    case 1: tile_avx2<Elem, Src, 1, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
+    case 2: tile_avx2<Elem, Src, 2, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n); break;
+    case 1: tile_avx2<Elem, Src, 1, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n); break;
     default: break;
   }
 }
@@ -311,7 +336,7 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
     const Elem* row = p.w + (n + j) * p.ldw;
     for (int64_t k = 0; k < depth8; k += 8) {
       _mm256_storeu_ps(scratch + j * depth8 + k, load8(row + k));
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_stream<true>(row + k);  // from L2 (the tiles' prefetch) or memory: at 4 rows 0.92x the time
     }
   }
   columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
@@ -334,6 +359,8 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
     else columns_avx512<Elem, NB, 6>(p, n, ahead);
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
+  } else if (p.rows <= kStreamRows) {
+    columns_avx2<Elem, Elem, NB, true>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   } else {
     columns_avx2<Elem, Elem, NB>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   }

@@ -38,8 +38,8 @@ constexpr int64_t kIsaAvx512Bf16 = 2;  // AVX-512 with BF16: vdpbf16ps, two prod
 constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight row's loads, into L1
 // With at most kStreamRows input rows the GEMM is a weight stream: its rows are prefetched 32 lines ahead into L2
 // instead of 8 lines ahead into L1 (with no software prefetch at all, the AVX2 one-row bf16 GEMM alone ran
-// 0.86-0.97x the time it took with the near one, on one thread: that one held it back). On a 2-core Zen 4, one expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at
-// 1 / 2 / 3 rows:
+// 0.86-0.97x the time it took with the near one, on one thread: that one held it back). On a 2-core Zen 4, one
+// expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at 1 / 2 / 3 rows:
 // - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x; one row on
 //   one thread streamed 16 GB/s of weights, was 12); AVX2 fp32 0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x);
 // - AVX-512 bf16 0.94-0.95x (0.90-0.98x), fp32 0.98-0.99x (0.92-0.98x).

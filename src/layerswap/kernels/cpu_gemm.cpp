@@ -40,8 +40,9 @@ constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight r
 // instead of 8 lines ahead into L1 (with no software prefetch at all, the AVX2 one-row bf16 GEMM alone ran
 // 0.86-0.97x the time it took with the near one, on one thread: that one held it back). On a 2-core Zen 4, one
 // expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at 1 / 2 / 3 rows:
-// - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x; one row on
-//   one thread streamed 16 GB/s of weights, was 12); AVX2 fp32 0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x);
+// - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x), fp32
+//   0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x); one row then ran 8 weight rows at once, as AVX-512 does (since
+//   replaced by one_row_avx2);
 // - AVX-512 bf16 0.94-0.95x (0.90-0.98x), fp32 0.98-0.99x (0.92-0.98x).
 // From 4 rows on, where the tiles compute from L1, the near prefetch stays: AVX2's fp32 tiles took 1.03-1.07x the
 // time at 8-32 rows with the far one.
@@ -261,23 +262,6 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   int64_t k = 0;
-  if constexpr (std::is_same_v<Src, uint16_t> && MB == 1) {
-    // One row of bf16, a weight stream: 16 values a 32-byte load, the even ones the low halves of its 32-bit lanes
-    // (shifted up), the odd ones the high halves (masked), x split alike so the products pair up. Two integer
-    // operations per 16 weights, where widening 8 at a time takes a load, a zero-extension and a shift per 8.
-    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (; k + 16 <= p.depth; k += 16) {
-      const __m256i x_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
-      const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(x_raw, 16));
-      const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(x_raw, high));
-      for (int j = 0; j < NB; ++j) {
-        const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ldw + k));
-        prefetch_stream<kFar>(w + j * ldw + k);
-        acc[0][j] = _mm256_fmadd_ps(x_even, _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), acc[0][j]);
-        acc[0][j] = _mm256_fmadd_ps(x_odd, _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), acc[0][j]);
-      }
-    }
-  }
   for (; k + 8 <= p.depth; k += 8) {
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) {
@@ -301,10 +285,6 @@ template <class Elem, class Src, int NB, bool kFar = false>
 __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
                                                       const Src* w, int64_t ldw, int64_t n,
                                                       const Elem* ahead = nullptr) {
-  if constexpr (NB > 4) {  // one input row (run_rows): NB accumulators
-    for (int64_t m = 0; m < p.rows; ++m) tile_avx2<Elem, Src, 1, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n);
-    return;
-  }
   constexpr int MB = 3;  // 3 x 4 accumulators + 4 weight vectors + 1 input vector fit the 16 ymm registers
   const int64_t tiles = std::max<int64_t>(1, p.rows / MB);
   const int per_tile = static_cast<int>((NB + tiles - 1) / tiles);  // next-block rows each whole tile prefetches
@@ -342,13 +322,52 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
   columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
 }
 
+// One input row on AVX2 (run_rows): one weight row at a time, each a sequential stream, 128 bytes a step into
+// eight accumulators (four in fp32), prefetched far once a step (prefetch_stream; once per cache line took 1.17x
+// the time). bf16 is split even/odd: a 32-byte load holds 16 values, the even ones the low halves of its 32-bit
+// lanes (shifted up), the odd ones the high halves (masked), and x is split alike so that the products pair up;
+// two integer operations per 16 weights. Against blocks of 8 weight rows read together (as AVX-512 runs them),
+// one expert's gated MLP on a 2-core Zen 4 (32 experts a call) took 0.81-0.83x the time in bf16 (Qwen3-30B-A3B's
+// and Qwen1.5-MoE's shapes; 0.62-0.65x on one thread) and 0.91-0.92x in fp32; in bf16 0.83-0.91x the time of
+// three torch.mv per expert on the same AVX2 instructions.
+template <class Elem>
+__attribute__((target("avx2,fma"))) void one_row_avx2(const Problem<Elem>& p, int64_t first, int64_t last) {
+  constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
+  constexpr int64_t kVector = kBf16 ? 16 : 8;  // values a 32-byte load holds
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // acc[a], acc[b] += the products of the 32 bytes of x and w at k
+  const auto step = [&](__m256& a, __m256& b, const Elem* x, const Elem* w) __attribute__((target("avx2,fma"))) {
+    const __m256i x_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    if constexpr (kBf16) {
+      a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x_raw, 16)),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), a);
+      b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x_raw, high)),
+                          _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), b);
+    } else {
+      a = _mm256_fmadd_ps(_mm256_castsi256_ps(x_raw), _mm256_castsi256_ps(w_raw), a);
+    }
+  };
+  for (int64_t n = first; n < last; ++n) {
+    const Elem* w = p.w + n * p.ldw;
+    __m256 acc[8];
+    for (__m256& a : acc) a = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 * kVector <= p.depth; k += 4 * kVector) {
+      prefetch_stream<true>(w + k);
+      for (int q = 0; q < 4; ++q) step(acc[2 * q], acc[2 * q + 1], p.x + k + q * kVector, w + k + q * kVector);
+    }
+    for (; k + kVector <= p.depth; k += kVector) step(acc[0], acc[1], p.x + k, w + k);
+    for (int q = 0; q < 4; ++q) acc[q] = _mm256_add_ps(acc[q], acc[q + 4]);
+    finish(p, 0, n, k, sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))));
+  }
+}
+
 // --- the operator -------------------------------------------------------------------------------------------
 
-// Weight rows per block: 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth measured);
-// from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16 registers:
-// 4 weight rows x 3 input rows, and 8 weight rows for one input row (with the even/odd bf16 split, one bf16
-// expert took 0.86x the time of 4 rows widened 8 at a time on a Zen 3: 22.1 GB/s against 18.3; fp32 unchanged).
-// bf16 from 4 input rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
+// Weight rows per block: on AVX-512, 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth
+// measured); from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16
+// registers: 4 weight rows x 3 input rows (one input row: one_row_avx2). bf16 from 4 input rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
 // widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd):
 // Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77);
 // Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
@@ -357,6 +376,8 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
   if (isa == kIsaAvx512Bf16) {
     if constexpr (NB == 8) columns_avx512<Elem, NB, 3>(p, n, ahead);
     else columns_avx512<Elem, NB, 6>(p, n, ahead);
+  } else if constexpr (NB > 4) {
+    TORCH_CHECK(false, "skinny_mm: AVX2 runs blocks of at most 4 weight rows, got ", NB);  // run_rows never asks
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
   } else if (p.rows <= kStreamRows) {
@@ -369,7 +390,11 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
 // Weight rows [first_row, last_row) of `p`, in blocks: `block` rows (a multiple of 4: 8 or 4), then one by one.
 template <class Elem>
 void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
-  const int64_t block = (p.rows == 1 || (isa == kIsaAvx512Bf16 && p.rows <= 3)) ? 8 : 4;
+  if (isa == kIsaAvx2 && p.rows == 1) {
+    one_row_avx2(p, first_row, last_row);
+    return;
+  }
+  const int64_t block = isa == kIsaAvx512Bf16 && p.rows <= kStreamRows ? 8 : 4;
   std::vector<float> scratch(p.x_fp32 ? block * (p.depth / 8 * 8) : 0);
   int64_t n = first_row;
   for (; n + block <= last_row; n += block) {

@@ -322,44 +322,54 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
   columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
 }
 
-// One input row on AVX2 (run_rows): one weight row at a time, each a sequential stream, 128 bytes a step into
-// eight accumulators (four in fp32), prefetched far once a step (prefetch_stream; once per cache line took 1.17x
-// the time). bf16 is split even/odd: a 32-byte load holds 16 values, the even ones the low halves of its 32-bit
-// lanes (shifted up), the odd ones the high halves (masked), and x is split alike so that the products pair up;
-// two integer operations per 16 weights. Against blocks of 8 weight rows read together (as AVX-512 runs them),
-// one expert's gated MLP on a 2-core Zen 4 (32 experts a call) took 0.81-0.83x the time in bf16 (Qwen3-30B-A3B's
-// and Qwen1.5-MoE's shapes; 0.62-0.65x on one thread) and 0.91-0.92x in fp32; in bf16 0.83-0.91x the time of
-// three torch.mv per expert on the same AVX2 instructions.
-template <class Elem>
-__attribute__((target("avx2,fma"))) void one_row_avx2(const Problem<Elem>& p, int64_t first, int64_t last) {
+// 1-3 input rows on AVX2 (rows_of: bf16 at 1-3 rows, fp32 at one): one weight row at a time, each a sequential
+// stream, 128 bytes a step, prefetched far once a step (prefetch_stream; once per cache line took 1.17x the time at
+// one row). bf16 is split even/odd: a 32-byte load holds 16 values, the even ones the low halves of its 32-bit
+// lanes (shifted up), the odd ones the high halves (masked), and each x row is split alike so that the products
+// pair up; two integer operations per 16 values. Against the blocks of 8 weight rows (one row, as AVX-512 runs
+// them) or the 3 x 4 tiles (2-3 rows) before, one expert's gated MLP on a 2-core Zen 4 (32 experts a call) took,
+// in bf16, 0.81-0.83x the time at one row (Qwen3-30B-A3B's and Qwen1.5-MoE's shapes; 0.62-0.65x on one thread;
+// 0.83-0.91x the time of three torch.mv per expert on the same AVX2 instructions), 0.68-0.79x at 2 rows and
+// 0.83-0.91x at 3; fp32 0.91-0.92x at one row (at 2-3 rows its tiles stay: this loop took 1.08-1.12x their time).
+template <class Elem, int R>
+__attribute__((target("avx2,fma"), noinline)) void stream_rows_avx2(const Problem<Elem>& p, int64_t first,
+                                                                    int64_t last) {
   constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
-  constexpr int64_t kVector = kBf16 ? 16 : 8;  // values a 32-byte load holds
+  constexpr int64_t kVector = 32 / sizeof(Elem);  // values a 32-byte load holds
+  constexpr int kAcc = R == 1 ? 8 : 4;            // accumulators a row: 12 in all at most, of the 16 registers
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  // acc[a], acc[b] += the products of the 32 bytes of x and w at k
-  const auto step = [&](__m256& a, __m256& b, const Elem* x, const Elem* w) __attribute__((target("avx2,fma"))) {
-    const __m256i x_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    if constexpr (kBf16) {
-      a = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x_raw, 16)),
-                          _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), a);
-      b = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x_raw, high)),
-                          _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), b);
-    } else {
-      a = _mm256_fmadd_ps(_mm256_castsi256_ps(x_raw), _mm256_castsi256_ps(w_raw), a);
-    }
-  };
   for (int64_t n = first; n < last; ++n) {
     const Elem* w = p.w + n * p.ldw;
-    __m256 acc[8];
-    for (__m256& a : acc) a = _mm256_setzero_ps();
+    __m256 acc[R][kAcc];
+    for (auto& row : acc)
+      for (__m256& a : row) a = _mm256_setzero_ps();
+    // acc[m][a] (and acc[m][a + 1] in bf16) += the products of the 32 bytes at k of w and of x's row m
+    const auto step = [&](int64_t k, int a) __attribute__((target("avx2,fma"), always_inline)) {
+      const __m256i w_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      for (int m = 0; m < R; ++m) {
+        const __m256i x_raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.x + m * p.ldx + k));
+        if constexpr (kBf16) {
+          acc[m][a] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x_raw, 16)),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(w_raw, 16)), acc[m][a]);
+          acc[m][a + 1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x_raw, high)),
+                                          _mm256_castsi256_ps(_mm256_and_si256(w_raw, high)), acc[m][a + 1]);
+        } else {
+          acc[m][a] = _mm256_fmadd_ps(_mm256_castsi256_ps(x_raw), _mm256_castsi256_ps(w_raw), acc[m][a]);
+        }
+      }
+    };
+    constexpr int kPerLoad = kBf16 ? 2 : 1;  // accumulators a load feeds
     int64_t k = 0;
     for (; k + 4 * kVector <= p.depth; k += 4 * kVector) {
       prefetch_stream<true>(w + k);
-      for (int q = 0; q < 4; ++q) step(acc[2 * q], acc[2 * q + 1], p.x + k + q * kVector, w + k + q * kVector);
+      for (int q = 0; q < 4; ++q) step(k + q * kVector, q * kPerLoad % kAcc);
     }
-    for (; k + kVector <= p.depth; k += kVector) step(acc[0], acc[1], p.x + k, w + k);
-    for (int q = 0; q < 4; ++q) acc[q] = _mm256_add_ps(acc[q], acc[q + 4]);
-    finish(p, 0, n, k, sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))));
+    for (; k + kVector <= p.depth; k += kVector) step(k, 0);
+    for (int m = 0; m < R; ++m) {
+      __m256 sum = acc[m][0];
+      for (int a = 1; a < kAcc; ++a) sum = _mm256_add_ps(sum, acc[m][a]);
+      finish(p, m, n, k, sum_lanes(sum));
+    }
   }
 }
 
@@ -367,7 +377,8 @@ __attribute__((target("avx2,fma"))) void one_row_avx2(const Problem<Elem>& p, in
 
 // Weight rows per block: on AVX-512, 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth
 // measured); from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16
-// registers: 4 weight rows x 3 input rows (one input row: one_row_avx2). bf16 from 4 input rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
+// registers: 4 weight rows x 3 input rows (one input row, and 2-3 of bf16: stream_rows_avx2). bf16 from 4 input
+// rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
 // widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd):
 // Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77);
 // Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
@@ -380,7 +391,7 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
     TORCH_CHECK(false, "skinny_mm: AVX2 runs blocks of at most 4 weight rows, got ", NB);  // run_rows never asks
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
-  } else if (p.rows <= kStreamRows) {
+  } else if (p.rows <= kStreamRows) {  // fp32 (rows_of streams bf16 below 4 rows): far prefetch
     columns_avx2<Elem, Elem, NB, true>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   } else {
     columns_avx2<Elem, Elem, NB>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
@@ -390,10 +401,6 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
 // Weight rows [first_row, last_row) of `p`, in blocks: `block` rows (a multiple of 4: 8 or 4), then one by one.
 template <class Elem>
 void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
-  if (isa == kIsaAvx2 && p.rows == 1) {
-    one_row_avx2(p, first_row, last_row);
-    return;
-  }
   const int64_t block = isa == kIsaAvx512Bf16 && p.rows <= kStreamRows ? 8 : 4;
   std::vector<float> scratch(p.x_fp32 ? block * (p.depth / 8 * 8) : 0);
   int64_t n = first_row;
@@ -405,8 +412,27 @@ void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t la
   for (; n < last_row; ++n) run_block<Elem, 1>(p, isa, n, scratch.data(), nullptr);
 }
 
-// From this many input rows, bf16 on AVX2 runs on fp32 copies (columns_avx2_widened): with fewer, the rows fit
-// one 3-row tile, so each weight vector is widened once either way.
+// run_rows, or on AVX2 stream_rows_avx2 for one input row, and for 2-3 of bf16. Chosen here, not in run_rows:
+// the same branch at the top of run_rows made AVX2's bf16 GEMMs of 4-8 rows take 1.05-1.10x the time (measured
+// twice each way round, no change to their code but run_rows'), here 0.98-1.02x.
+template <class Elem>
+void rows_of(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
+  if (isa == kIsaAvx2 && p.rows == 1) {
+    stream_rows_avx2<Elem, 1>(p, first_row, last_row);
+    return;
+  }
+  if constexpr (std::is_same_v<Elem, uint16_t>) {
+    if (isa == kIsaAvx2 && p.rows <= kStreamRows) {
+      if (p.rows == 2) stream_rows_avx2<Elem, 2>(p, first_row, last_row);
+      else stream_rows_avx2<Elem, 3>(p, first_row, last_row);
+      return;
+    }
+  }
+  run_rows(p, isa, first_row, last_row);
+}
+
+// From this many input rows, bf16 on AVX2 runs on fp32 copies (columns_avx2_widened); with fewer it streams
+// (stream_rows_avx2).
 constexpr int64_t kWidenRows = 4;
 
 // Sets p.x_fp32 where columns_avx2_widened applies, to the returned copy (which must outlive the calls).
@@ -453,7 +479,7 @@ void run(Problem<Elem> p, int64_t isa) {
   const std::vector<float> widened = widen_x(p, isa);
   const int64_t units = (p.columns + kRowAlignment - 1) / kRowAlignment;
   parallel_units(units, kRowsPerTask / kRowAlignment, [&](int64_t first, int64_t last) {
-    run_rows(p, isa, first * kRowAlignment, std::min(last * kRowAlignment, p.columns));
+    rows_of(p, isa, first * kRowAlignment, std::min(last * kRowAlignment, p.columns));
   });
 }
 
@@ -492,8 +518,8 @@ void run_silu_mlp(const at::Tensor& x, const at::Tensor& gate, const at::Tensor&
   // Half the rows per task of a plain GEMM: each task streams two weights.
   parallel_units(units, kRowsPerTask / kRowAlignment / 2, [&](int64_t first, int64_t last) {
     const int64_t begin = first * kRowAlignment, end = std::min(last * kRowAlignment, intermediate);
-    run_rows(gate_problem, isa, begin, end);
-    run_rows(up_problem, isa, begin, end);
+    rows_of(gate_problem, isa, begin, end);
+    rows_of(up_problem, isa, begin, end);
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t n = begin; n < end; ++n) {
         const int64_t at = m * intermediate + n;

@@ -47,8 +47,8 @@ def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 
 # Rows: 1 (a GEMV; AVX2: one weight row at a time, 64 bf16 or 32 fp32 values a step, then 16 or 8, then scalar),
 # 2-3 (AVX-512: 8-weight-row blocks; AVX2: bf16 streamed like one row, fp32 3-row tiles), 4-7 (4 x 6 tiles, with
-# 4-5 left over; AVX2: 3-row tiles, bf16 on fp32 copies from 4 rows), 13 and 40 (several tiles, then a remainder). (N, K): N = 1 and N not a multiple of 8
-# or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
+# 4-5 left over; AVX2: 3-row tiles, bf16 on fp32 copies from 4 rows), 13 and 40 (several tiles, then a
+# remainder). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
 # tail), and real layer sizes (2048 x 1536).
 SHAPES = [(1, 1), (7, 31), (9, 33), (13, 8), (64, 48), (48, 64), (130, 2049), (1536, 2048)]
 

@@ -41,8 +41,8 @@ constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight r
 // 0.86-0.97x the time it took with the near one, on one thread: that one held it back). On a 2-core Zen 4, one
 // expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at 1 / 2 / 3 rows:
 // - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x), fp32
-//   0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x); one row then ran 8 weight rows at once, as AVX-512 does (since
-//   replaced by one_row_avx2);
+//   0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x), on the loops of then (8 weight rows at once for one row, 3 x 4
+//   tiles for 2-3: since replaced by stream_rows_avx2, but for fp32 at 2-3 rows);
 // - AVX-512 bf16 0.94-0.95x (0.90-0.98x), fp32 0.98-0.99x (0.92-0.98x).
 // From 4 rows on, where the tiles compute from L1, the near prefetch stays: AVX2's fp32 tiles took 1.03-1.07x the
 // time at 8-32 rows with the far one.
@@ -413,8 +413,8 @@ void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t la
 }
 
 // run_rows, or on AVX2 stream_rows_avx2 for one input row, and for 2-3 of bf16. Chosen here, not in run_rows:
-// the same branch at the top of run_rows made AVX2's bf16 GEMMs of 4-8 rows take 1.05-1.10x the time (measured
-// twice each way round, no change to their code but run_rows'), here 0.98-1.02x.
+// the same branch at the top of run_rows (or a call from there) made AVX2's bf16 expert MLPs of 4-8 rows take
+// 1.02-1.16x the time (four runs, both orders, no change to their code but run_rows'), here 0.94-1.03x.
 template <class Elem>
 void rows_of(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
   if (isa == kIsaAvx2 && p.rows == 1) {

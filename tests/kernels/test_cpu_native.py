@@ -47,8 +47,8 @@ def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 
 # Rows: 1 (a GEMV; AVX2: one weight row at a time, 64 bf16 or 32 fp32 values a step, then 16 or 8, then scalar),
 # 2-3 (AVX-512: 8-weight-row blocks; AVX2: bf16 streamed like one row, fp32 3-row tiles), 4-7 (4 x 6 tiles, with
-# 4-5 left over; AVX2: 3-row tiles, bf16 on fp32 copies from 4 rows), 13 and 40 (several tiles, then a
-# remainder). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
+# 4-5 left over; AVX2: pair tiles of 4, 3 and 2 rows, bf16 on its input rows split even/odd), 13 and 20 (several
+# tiles; AVX2: pair tiles for bf16, 3-row tiles for fp32 at 20), 40 (AVX2: bf16 on fp32 copies of its weights). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
 # tail), and real layer sizes (2048 x 1536).
 SHAPES = [(1, 1), (7, 31), (9, 33), (13, 8), (64, 48), (48, 64), (130, 2049), (1536, 2048)]
 
@@ -58,7 +58,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=s
 
 @DTYPES
 @pytest.mark.parametrize("isa", cpu_native.supported_isas())
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 20, 40])
 def test_matches_float64_on_every_tile_shape(isa: str, rows: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(rows)
     for columns, depth in SHAPES:
@@ -113,10 +113,10 @@ def test_the_instruction_sets_agree() -> None:
 
 
 @DTYPES
-@pytest.mark.parametrize("rows", [3, 8])
+@pytest.mark.parametrize("rows", [3, 8, 40])
 def test_same_bits_on_any_thread_count(dtype: torch.dtype, rows: int) -> None:
     # Each output element is summed by one thread in a fixed order: two processes with different thread counts
-    # must compute the same numbers (8 rows: AVX2's bf16 runs on fp32 copies, one scratch buffer per thread).
+    # must compute the same numbers (40 rows: AVX2's bf16 runs on fp32 copies, one scratch buffer per thread).
     generator = torch.Generator().manual_seed(3)
     x, w = _bf16(generator, rows, 2048, dtype=dtype), _bf16(generator, 1536, 2048, dtype=dtype)
     threads = torch.get_num_threads()

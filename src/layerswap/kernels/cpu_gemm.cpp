@@ -84,7 +84,7 @@ struct Problem {
   Elem* out;
   int64_t ldx, ldw, ldo, rows, columns, depth;
   float* out_fp32 = nullptr;
-  const float* x_fp32 = nullptr;  // x widened to fp32 (bf16 on AVX2, several rows: columns_avx2_widened), ld depth
+  const float* x_fp32 = nullptr;  // x widened to fp32 (bf16 on AVX2 from kWidenRows rows: widen_x), ld depth
 };
 
 inline float to_float(uint16_t bf16) {
@@ -301,7 +301,7 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, co
   }
 }
 
-// bf16 with several input rows (widen_x sets x_fp32 for those only): widening each weight vector in every tile
+// bf16 from kPairRows input rows (x_fp32 in order): widening each weight vector in every tile
 // costs two integer operations per MB = 3 FMAs, on the ports the FMAs use. So NB weight rows are widened once
 // into `scratch` (in cache), and every tile runs in fp32 on them and on x widened once per call. The tiles also
 // prefetch the next block's weight rows (`ahead`) into L2, each whole tile its share, so that the widening
@@ -320,6 +320,101 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
     }
   }
   columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
+}
+
+// From 4 input rows on AVX2 (up to the pair limits below): an MB x NB tile (MB <= 4 input rows, NB <= 2 weight
+// rows), 16 values of depth a step as two vectors of 8, "even" and "odd". fp32: the two halves of the 16 values,
+// so the sums are those of columns_avx2. bf16: one 32-byte load of the raw weights, split even/odd as in
+// stream_rows_avx2 (two integer operations per 16 values), against the input rows split alike once a call
+// (widen_x): no fp32 copy of the weights. Both products go to one accumulator; the two x vectors stay in
+// registers (folded into each FMA, as GCC had them, they were loaded NB times: 0.83-0.97x the time without).
+template <class Elem, int MB, int NB>
+__attribute__((target("avx2,fma"))) inline void tile_avx2_pairs(const Problem<Elem>& p, int64_t m, int64_t n,
+                                                                bool stream, const Elem* ahead, int ahead_first,
+                                                                int ahead_rows) {
+  constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
+  constexpr int64_t kLine = 64 / sizeof(Elem);  // values a cache line holds
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  const float* x = kBf16 ? p.x_fp32 + m * p.depth : reinterpret_cast<const float*>(p.x + m * p.ldx);
+  const int64_t ldx = kBf16 ? p.depth : p.ldx;
+  const Elem* w = p.w + n * p.ldw;
+  if (!ahead) ahead_rows = 0;
+  int64_t k = 0;
+  for (; k + 16 <= p.depth; k += 16) {
+    __m256 even[NB], odd[NB];
+    for (int j = 0; j < NB; ++j) {
+      if constexpr (kBf16) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * p.ldw + k));
+        even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        odd[j] = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+      } else {
+        even[j] = _mm256_loadu_ps(w + j * p.ldw + k);
+        odd[j] = _mm256_loadu_ps(w + j * p.ldw + k + 8);
+      }
+      if (stream && k % kLine == 0) prefetch_stream<false>(w + j * p.ldw + k);
+    }
+    if (k % kLine == 0)
+      for (int j = ahead_first; j < ahead_first + ahead_rows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * p.ldw + k), _MM_HINT_T1);
+    for (int i = 0; i < MB; ++i) {
+      __m256 x_even = _mm256_loadu_ps(x + i * ldx + k);
+      __m256 x_odd = _mm256_loadu_ps(x + i * ldx + k + 8);
+      asm("" : "+x"(x_even), "+x"(x_odd));  // in registers, not folded into the FMAs
+      for (int j = 0; j < NB; ++j) {
+        acc[i][j] = _mm256_fmadd_ps(x_even, even[j], acc[i][j]);
+        acc[i][j] = _mm256_fmadd_ps(x_odd, odd[j], acc[i][j]);
+      }
+    }
+  }
+  if (k + 8 <= p.depth) {  // one more vector of 8, in order (real layers' depths need none)
+    for (int j = 0; j < NB; ++j) {
+      const __m256 wv = load8(w + j * p.ldw + k);
+      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k), wv, acc[i][j]);
+    }
+    k += 8;
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, sum_lanes(acc[i][j]));
+}
+
+// tile_avx2_pairs for `rows` (at most R) input rows.
+template <class Elem, int R, int NB, class... Args>
+__attribute__((target("avx2,fma"))) inline void tile_rows_avx2_pairs(const Problem<Elem>& p, int64_t rows,
+                                                                     Args... args) {
+  if constexpr (R > 0) {
+    if (rows == R) tile_avx2_pairs<Elem, R, NB>(p, args...);
+    else tile_rows_avx2_pairs<Elem, R - 1, NB>(p, rows, args...);
+  }
+}
+
+// Every input row against NB weight rows, two at a time, in balanced tiles of at most 4 input rows (8 rows: two
+// tiles of 4, where 3 x 4 tiles leave one of 2); the first tile of each pair streams its weight rows, and the
+// next block's rows (`ahead`) are prefetched across all tiles. Against columns_avx2 (fp32) and
+// columns_avx2_widened (bf16), one expert's gated MLP on a 2-core Zen 4's AVX2 instructions (8 experts a call,
+// Qwen3-30B-A3B's and Qwen1.5-MoE's shapes, old and new builds in turns) took, at 4-16 rows, bf16 0.61-0.96x the
+// time (0.77-0.84x at 8), fp32 0.74-0.99x at 4-8 rows and 0.85-1.07x at 10-16, the same sums in fp32. From 20
+// rows (fp32) and 32 (bf16) it took up to 1.14x and 1.23x, as each input row is read once per weight pair, not
+// per 4 weight rows: those keep the tiles they had (kPairRows).
+template <class Elem, int NB>
+__attribute__((target("avx2,fma"))) void columns_avx2_pairs(const Problem<Elem>& p, int64_t n, const Elem* ahead) {
+  constexpr int kPair = NB >= 2 ? 2 : 1;
+  const int64_t tiles = (p.rows + 3) / 4;
+  const int64_t all_tiles = tiles * (NB / kPair);
+  const int per_tile = static_cast<int>((NB + all_tiles - 1) / all_tiles);  // next-block rows each prefetches
+  int64_t t_all = 0;
+  for (int pair = 0; pair < NB; pair += kPair) {
+    int64_t m = 0;
+    for (int64_t t = 0; t < tiles; ++t, ++t_all) {
+      const int64_t rows = (p.rows - m) / (tiles - t) + ((p.rows - m) % (tiles - t) != 0);  // balanced tiles
+      const int first = static_cast<int>(std::min<int64_t>(NB, t_all * per_tile));
+      const int count = std::min(NB - first, per_tile);
+      tile_rows_avx2_pairs<Elem, 4, kPair>(p, rows, m, n + pair, t == 0, ahead, first, count);
+      m += rows;
+    }
+  }
 }
 
 // 1-3 input rows on AVX2 (rows_of: bf16 at 1-3 rows, fp32 at one): one weight row at a time, each a sequential
@@ -375,13 +470,21 @@ __attribute__((target("avx2,fma"), noinline)) void stream_rows_avx2(const Proble
 
 // --- the operator -------------------------------------------------------------------------------------------
 
+// From kWidenRows input rows AVX2 runs the pair tiles (columns_avx2_pairs), bf16 on its input rows split to fp32
+// once a call; with fewer it streams (stream_rows_avx2; fp32 at 2-3 rows: columns_avx2). From kPairRows on,
+// fp32 runs columns_avx2, bf16 columns_avx2_widened (on its input rows widened to fp32 in order).
+constexpr int64_t kWidenRows = 4;
+template <class Elem>
+constexpr int64_t kPairRows = std::is_same_v<Elem, uint16_t> ? 32 : 17;
+
 // Weight rows per block: on AVX-512, 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth
 // measured); from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16
-// registers: 4 weight rows x 3 input rows (one input row, and 2-3 of bf16: stream_rows_avx2). bf16 from 4 input
-// rows on AVX2: fp32 copies (columns_avx2_widened). One expert's gated MLP on a Zen 3, against
-// widening in every tile, side by side (the same sums, but for a last 1-row tile, which that summed even/odd):
-// Qwen3-30B-A3B's at 8 / 16 / 32 rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77);
-// Qwen1.5-MoE's at 8 / 16 / 34 rows 0.94 / 0.53 / 0.48x.
+// registers: 4 weight rows x 3 input rows (one input row, and 2-3 of bf16: stream_rows_avx2), in pairs of weight
+// rows from kWidenRows to kPairRows input rows (columns_avx2_pairs), and bf16 from kPairRows rows on fp32 copies
+// (columns_avx2_widened). Those copies, against widening in every tile, on a Zen 3, one expert's gated MLP side
+// by side (the same sums, but for a last 1-row tile, which that summed even/odd): Qwen3-30B-A3B's at 8 / 16 / 32
+// rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77); Qwen1.5-MoE's at 8 / 16 / 34 rows
+// 0.94 / 0.53 / 0.48x.
 template <class Elem, int NB>
 void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, const Elem* ahead) {
   if (isa == kIsaAvx512Bf16) {
@@ -389,6 +492,8 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
     else columns_avx512<Elem, NB, 6>(p, n, ahead);
   } else if constexpr (NB > 4) {
     TORCH_CHECK(false, "skinny_mm: AVX2 runs blocks of at most 4 weight rows, got ", NB);  // run_rows never asks
+  } else if (p.rows >= kWidenRows && p.rows < kPairRows<Elem>) {
+    columns_avx2_pairs<Elem, NB>(p, n, ahead);
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
   } else if (p.rows <= kStreamRows) {  // fp32 (rows_of streams bf16 below 4 rows): far prefetch
@@ -431,18 +536,20 @@ void rows_of(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t las
   run_rows(p, isa, first_row, last_row);
 }
 
-// From this many input rows, bf16 on AVX2 runs on fp32 copies (columns_avx2_widened); with fewer it streams
-// (stream_rows_avx2).
-constexpr int64_t kWidenRows = 4;
 
-// Sets p.x_fp32 where columns_avx2_widened applies, to the returned copy (which must outlive the calls).
+// Sets p.x_fp32 where bf16 runs on AVX2's tiles, to the returned copy (which must outlive the calls): for the pair
+// tiles, each 16 values of depth as the 8 even ones, then the 8 odd ones (a last part under 16 as it is).
 template <class Elem>
 std::vector<float> widen_x(Problem<Elem>& p, int64_t isa) {
   std::vector<float> widened;
   if (std::is_same_v<Elem, uint16_t> && isa == kIsaAvx2 && p.rows >= kWidenRows) {
     widened.resize(p.rows * p.depth);
+    const int64_t split = p.rows < kPairRows<Elem> ? p.depth / 16 * 16 : 0;  // the values split even/odd
     for (int64_t m = 0; m < p.rows; ++m)
-      for (int64_t k = 0; k < p.depth; ++k) widened[m * p.depth + k] = to_float(p.x[m * p.ldx + k]);
+      for (int64_t k = 0; k < p.depth; ++k) {
+        const int64_t at = k < split ? k / 16 * 16 + k % 2 * 8 + k % 16 / 2 : k;
+        widened[m * p.depth + at] = to_float(p.x[m * p.ldx + k]);
+      }
     p.x_fp32 = widened.data();
   }
   return widened;

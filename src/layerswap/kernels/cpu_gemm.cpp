@@ -42,10 +42,10 @@ constexpr int64_t kPrefetchBytes = 512;  // 8 cache lines ahead of each weight r
 // expert's gated MLP (32 experts a call, the same sums, old and new builds in turns) took, at 1 / 2 / 3 rows:
 // - AVX2 bf16 0.80 / 0.90 / 0.93x the time (Qwen3-30B-A3B's shape; Qwen1.5-MoE's 0.77 / 0.88 / 0.93x), fp32
 //   0.83 / 0.84 / 0.88x (0.84 / 0.83 / 0.94x), on the loops of then (8 weight rows at once for one row, 3 x 4
-//   tiles for 2-3: since replaced by stream_rows_avx2, but for fp32 at 2-3 rows);
+//   tiles for 2-3: since replaced by stream_rows_avx2, and for fp32 at 2-3 rows by columns_avx2_pairs);
 // - AVX-512 bf16 0.94-0.95x (0.90-0.98x), fp32 0.98-0.99x (0.92-0.98x).
 // From 4 rows on, where the tiles compute from L1, the near prefetch stays: AVX2's fp32 tiles took 1.03-1.07x the
-// time at 8-32 rows with the far one.
+// time at 8-32 rows with the far one. (AVX2 now streams far only in stream_rows_avx2.)
 constexpr int64_t kStreamRows = 3;
 constexpr int64_t kFarPrefetchBytes = 2048;
 
@@ -251,8 +251,8 @@ __attribute__((target("avx2,fma"))) inline float sum_lanes(__m256 v) {
 // An MB x NB tile of `out` from Src rows: the problem's own (Src = Elem), or fp32 copies of bf16 rows (x and w at
 // the tile's first rows, ldx and ldw their strides); `p` gives the depth, the output and the depth remainder.
 // With fp32 copies, the tile also prefetches `ahead_rows` rows of the next block (from `ahead`, row `ahead_first`
-// on) into L2, one line a row per line of depth, for the widening that reads them next. kFar: prefetch_stream's.
-template <class Elem, class Src, int MB, int NB, bool kFar = false>
+// on) into L2, one line a row per line of depth, for the widening that reads them next.
+template <class Elem, class Src, int MB, int NB>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
                                                           const Src* w, int64_t ldw, int64_t m, int64_t n,
                                                           const Elem* ahead = nullptr, int ahead_first = 0,
@@ -266,7 +266,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = load8(w + j * ldw + k);
-      if constexpr (kStream) prefetch_stream<kFar>(w + j * ldw + k);
+      if constexpr (kStream) prefetch_stream<false>(w + j * ldw + k);
     }
     for (int i = 0; i < MB; ++i) {
       const __m256 xv = load8(x + i * ldx + k);
@@ -280,8 +280,8 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const Problem<Elem>& p
     for (int j = 0; j < NB; ++j) finish(p, m + i, n + j, k, sum_lanes(acc[i][j]));
 }
 
-// Every input row against NB weight rows (Src and kFar as in tile_avx2; x and w at row 0 and row n).
-template <class Elem, class Src, int NB, bool kFar = false>
+// Every input row against NB weight rows (Src as in tile_avx2; x and w at row 0 and row n).
+template <class Elem, class Src, int NB>
 __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, const Src* x, int64_t ldx,
                                                       const Src* w, int64_t ldw, int64_t n,
                                                       const Elem* ahead = nullptr) {
@@ -291,12 +291,11 @@ __attribute__((target("avx2,fma"))) void columns_avx2(const Problem<Elem>& p, co
   int64_t m = 0;
   for (int64_t t = 0; m + MB <= p.rows; m += MB, ++t) {
     const int first = static_cast<int>(std::min<int64_t>(NB, t * per_tile));
-    tile_avx2<Elem, Src, MB, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n, ahead, first,
-                                       std::min(NB - first, per_tile));
+    tile_avx2<Elem, Src, MB, NB>(p, x + m * ldx, ldx, w, ldw, m, n, ahead, first, std::min(NB - first, per_tile));
   }
   switch (p.rows - m) {
-    case 2: tile_avx2<Elem, Src, 2, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n); break;
-    case 1: tile_avx2<Elem, Src, 1, NB, kFar>(p, x + m * ldx, ldx, w, ldw, m, n); break;
+    case 2: tile_avx2<Elem, Src, 2, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
+    case 1: tile_avx2<Elem, Src, 1, NB>(p, x + m * ldx, ldx, w, ldw, m, n); break;
     default: break;
   }
 }
@@ -322,7 +321,7 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
   columns_avx2<Elem, float, NB>(p, p.x_fp32, p.depth, scratch, depth8, n, ahead);
 }
 
-// From 4 input rows on AVX2 (up to the pair limits below): an MB x NB tile (MB <= 4 input rows, NB <= 2 weight
+// Several input rows on AVX2 (kFirstPairRows to kPairRows, below): an MB x NB tile (MB <= 4 input rows, NB <= 2 weight
 // rows), 16 values of depth a step as two vectors of 8, "even" and "odd". fp32: the two halves of the 16 values,
 // so the sums are those of columns_avx2. bf16: one 32-byte load of the raw weights, split even/odd as in
 // stream_rows_avx2 (two integer operations per 16 values), against the input rows split alike once a call
@@ -470,10 +469,13 @@ __attribute__((target("avx2,fma"), noinline)) void stream_rows_avx2(const Proble
 
 // --- the operator -------------------------------------------------------------------------------------------
 
-// From kWidenRows input rows AVX2 runs the pair tiles (columns_avx2_pairs), bf16 on its input rows split to fp32
-// once a call; with fewer it streams (stream_rows_avx2; fp32 at 2-3 rows: columns_avx2). From kPairRows on,
-// fp32 runs columns_avx2, bf16 columns_avx2_widened (on its input rows widened to fp32 in order).
+// AVX2 runs the pair tiles (columns_avx2_pairs) from kFirstPairRows to kPairRows input rows: bf16 from kWidenRows,
+// on its input rows split to fp32 once a call (below, stream_rows_avx2), fp32 from 2 rows (one: stream_rows_avx2;
+// at 2-3 rows the pairs took 0.83-0.97x the time of columns_avx2 with the far prefetch). From kPairRows on, fp32
+// runs columns_avx2, bf16 columns_avx2_widened (on its input rows widened to fp32 in order).
 constexpr int64_t kWidenRows = 4;
+template <class Elem>
+constexpr int64_t kFirstPairRows = std::is_same_v<Elem, uint16_t> ? kWidenRows : 2;
 template <class Elem>
 constexpr int64_t kPairRows = std::is_same_v<Elem, uint16_t> ? 32 : 17;
 
@@ -492,12 +494,10 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
     else columns_avx512<Elem, NB, 6>(p, n, ahead);
   } else if constexpr (NB > 4) {
     TORCH_CHECK(false, "skinny_mm: AVX2 runs blocks of at most 4 weight rows, got ", NB);  // run_rows never asks
-  } else if (p.rows >= kWidenRows && p.rows < kPairRows<Elem>) {
+  } else if (p.rows >= kFirstPairRows<Elem> && p.rows < kPairRows<Elem>) {
     columns_avx2_pairs<Elem, NB>(p, n, ahead);
   } else if (p.x_fp32) {
     columns_avx2_widened<Elem, NB>(p, scratch, n, ahead);
-  } else if (p.rows <= kStreamRows) {  // fp32 (rows_of streams bf16 below 4 rows): far prefetch
-    columns_avx2<Elem, Elem, NB, true>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   } else {
     columns_avx2<Elem, Elem, NB>(p, p.x, p.ldx, p.w + n * p.ldw, p.ldw, n);
   }

@@ -46,7 +46,7 @@ def _assert_close_to_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 
 
 # Rows: 1 (a GEMV; AVX2: one weight row at a time, 64 bf16 or 32 fp32 values a step, then 16 or 8, then scalar),
-# 2-3 (AVX-512: 8-weight-row blocks; AVX2: bf16 streamed like one row, fp32 pair tiles), 4-7 (4 x 6 tiles, with
+# 2-3 (AVX-512: 8-weight-row blocks; AVX2: 2 bf16 rows streamed like one, else pair tiles), 4-7 (4 x 6 tiles, with
 # 4-5 left over; AVX2: pair tiles of 4, 3 and 2 rows, bf16 on its input rows split even/odd), 13 and 20 (several
 # tiles; AVX2: pair tiles for bf16, 3-row tiles for fp32 at 20), 40 (AVX2: bf16 on fp32 copies of its weights). (N, K): N = 1 and N not a multiple of 8 or 4 (the last weight rows one at a time); K below one vector, not a multiple of 32 or 8 (the masked / scalar
 # tail), and real layer sizes (2048 x 1536).

@@ -416,7 +416,7 @@ __attribute__((target("avx2,fma"))) void columns_avx2_pairs(const Problem<Elem>&
   }
 }
 
-// 1-3 input rows on AVX2 (rows_of: bf16 at 1-3 rows, fp32 at one): one weight row at a time, each a sequential
+// 1-2 input rows on AVX2 (rows_of: bf16 at 1-2 rows, fp32 at one): one weight row at a time, each a sequential
 // stream, 128 bytes a step, prefetched far once a step (prefetch_stream; once per cache line took 1.17x the time at
 // one row). bf16 is split even/odd: a 32-byte load holds 16 values, the even ones the low halves of its 32-bit
 // lanes (shifted up), the odd ones the high halves (masked), and each x row is split alike so that the products
@@ -425,12 +425,14 @@ __attribute__((target("avx2,fma"))) void columns_avx2_pairs(const Problem<Elem>&
 // in bf16, 0.81-0.83x the time at one row (Qwen3-30B-A3B's and Qwen1.5-MoE's shapes; 0.62-0.65x on one thread;
 // 0.83-0.91x the time of three torch.mv per expert on the same AVX2 instructions), 0.68-0.79x at 2 rows and
 // 0.83-0.91x at 3; fp32 0.91-0.92x at one row (at 2-3 rows its tiles stay: this loop took 1.08-1.12x their time).
+// Since then bf16 at 3 rows and fp32 at 2-3 run the pair tiles (columns_avx2_pairs): 0.70-0.91x this loop's time
+// at bf16's 3 rows, 0.97-1.01x at its 2.
 template <class Elem, int R>
 __attribute__((target("avx2,fma"), noinline)) void stream_rows_avx2(const Problem<Elem>& p, int64_t first,
                                                                     int64_t last) {
   constexpr bool kBf16 = std::is_same_v<Elem, uint16_t>;
   constexpr int64_t kVector = 32 / sizeof(Elem);  // values a 32-byte load holds
-  constexpr int kAcc = R == 1 ? 8 : 4;            // accumulators a row: 12 in all at most, of the 16 registers
+  constexpr int kAcc = R == 1 ? 8 : 4;            // accumulators a row: 8 in all, of the 16 registers
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t n = first; n < last; ++n) {
     const Elem* w = p.w + n * p.ldw;
@@ -473,7 +475,7 @@ __attribute__((target("avx2,fma"), noinline)) void stream_rows_avx2(const Proble
 // on its input rows split to fp32 once a call (below, stream_rows_avx2), fp32 from 2 rows (one: stream_rows_avx2;
 // at 2-3 rows the pairs took 0.83-0.97x the time of columns_avx2 with the far prefetch). From kPairRows on, fp32
 // runs columns_avx2, bf16 columns_avx2_widened (on its input rows widened to fp32 in order).
-constexpr int64_t kWidenRows = 4;
+constexpr int64_t kWidenRows = 3;
 template <class Elem>
 constexpr int64_t kFirstPairRows = std::is_same_v<Elem, uint16_t> ? kWidenRows : 2;
 template <class Elem>
@@ -481,8 +483,8 @@ constexpr int64_t kPairRows = std::is_same_v<Elem, uint16_t> ? 32 : 17;
 
 // Weight rows per block: on AVX-512, 8 streams keep more loads in flight for 1-3 input rows (~4% more bandwidth
 // measured); from 4 rows on, 4 weight rows x 6 input rows keep the 24 accumulators in registers. AVX2 has 16
-// registers: 4 weight rows x 3 input rows (one input row, and 2-3 of bf16: stream_rows_avx2), in pairs of weight
-// rows from kWidenRows to kPairRows input rows (columns_avx2_pairs), and bf16 from kPairRows rows on fp32 copies
+// registers: 4 weight rows x 3 input rows (one input row, and two of bf16: stream_rows_avx2), in pairs of weight
+// rows from kFirstPairRows to kPairRows input rows (columns_avx2_pairs), and bf16 from kPairRows rows on fp32 copies
 // (columns_avx2_widened). Those copies, against widening in every tile, on a Zen 3, one expert's gated MLP side
 // by side (the same sums, but for a last 1-row tile, which that summed even/odd): Qwen3-30B-A3B's at 8 / 16 / 32
 // rows 0.86-0.92 / 0.53 / 0.67x the time (115 GFLOP/s at 32 rows, was 77); Qwen1.5-MoE's at 8 / 16 / 34 rows
@@ -517,7 +519,7 @@ void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t la
   for (; n < last_row; ++n) run_block<Elem, 1>(p, isa, n, scratch.data(), nullptr);
 }
 
-// run_rows, or on AVX2 stream_rows_avx2 for one input row, and for 2-3 of bf16. Chosen here, not in run_rows:
+// run_rows, or on AVX2 stream_rows_avx2 for one input row, and for two of bf16. Chosen here, not in run_rows:
 // the same branch at the top of run_rows (or a call from there) made AVX2's bf16 expert MLPs of 4-8 rows take
 // 1.02-1.16x the time (four runs, both orders, no change to their code but run_rows'), here 0.94-1.03x.
 template <class Elem>
@@ -527,9 +529,8 @@ void rows_of(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t las
     return;
   }
   if constexpr (std::is_same_v<Elem, uint16_t>) {
-    if (isa == kIsaAvx2 && p.rows <= kStreamRows) {
-      if (p.rows == 2) stream_rows_avx2<Elem, 2>(p, first_row, last_row);
-      else stream_rows_avx2<Elem, 3>(p, first_row, last_row);
+    if (isa == kIsaAvx2 && p.rows == 2) {
+      stream_rows_avx2<Elem, 2>(p, first_row, last_row);
       return;
     }
   }

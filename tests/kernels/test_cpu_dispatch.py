@@ -395,7 +395,15 @@ def test_engine_measurement_runs_experts_as_the_layer_does(calibrating, monkeypa
     monkeypatch.setattr(torch_moe, "_skinny_experts", recording("skinny", torch_moe._skinny_experts))
     _, gate_up, down, _, _ = make_problem(1)
     cpu_dispatch._engines_plan(gate_up, down, resolve_activation("silu"))
-    assert cpu_dispatch._experts_per_call(1, 8) == 4 and cpu_dispatch._experts_per_call(95, 8) == 1
+    small = gate_up[0].numel() * gate_up.element_size()
+    assert (
+        cpu_dispatch._experts_per_call(1, 8, small) == 4 and cpu_dispatch._experts_per_call(95, 8, small) == 1
+    )
+    # Large experts: fewer a call (a Qwen1.5-MoE-A2.7B fp32 expert's 35 MB: one)
+    assert (
+        cpu_dispatch._experts_per_call(1, 60, 35 << 20) == 1
+        and cpu_dispatch._experts_per_call(1, 128, 19 << 20) == 3
+    )
     # 1-8 rows: 4 experts a call; 23 rows and more: 1
     assert {len(experts) for experts in groups["skinny"]} == {4, 1}
     assert {len(experts) for experts in groups["grouped"]} == {4, 1}
@@ -834,7 +842,7 @@ def test_engines_hopeless_at_few_rows_are_not_timed_at_more(calibrating, monkeyp
         return run
 
     ops = ("grouped", "mv", "row", "wm")
-    chosen, medians = cpu_dispatch._fastest_engines(ops, "grouped", engine, 8, 64, torch.float32)
+    chosen, medians = cpu_dispatch._fastest_engines(ops, "grouped", engine, 8, 64, torch.float32, 1 << 20)
     assert f"{slow_op}@1" in medians and f"{slow_op}@2" not in medians  # 40x the GEMV at one row
     assert all(f"grouped@{m}" in medians for m in cpu_dispatch._ENGINE_ROWS)  # the reference: always
     assert chosen[0] == fast_op and slow_op not in chosen

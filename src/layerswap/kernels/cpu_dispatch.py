@@ -80,8 +80,9 @@ ENV_STRATEGY = "LAYERSWAP_CPU_STRATEGY"
 # 7: the "skinny" engine timed at every row count, not only up to 8 rows; 8: a `layerswap` plan's worker threads
 # are used (before, its experts ran in the calling thread, so the worker candidate was timed without them), and
 # the worker candidate runs the engines measured in the calling thread; 9: timing stops once a candidate leads
-# clearly (engines: after two rounds by `_ENGINE_EARLY_GAP`), engine warm-ups on one expert
-STRATEGY_SET_VERSION = 9
+# clearly (engines: after two rounds by `_ENGINE_EARLY_GAP`), engine warm-ups on one expert; 10: engine calls of
+# at most `_CALL_BYTES` of weights
+STRATEGY_SET_VERSION = 10
 _CACHE_FORMAT = 1
 
 # A candidate must beat stock by this factor (median of per-round ratios) to be chosen: noise alone then rarely
@@ -650,15 +651,22 @@ def _worth_timing(op: str, rows: int, dtype: torch.dtype) -> bool:
 Engine = Callable[[str, torch.Tensor, int], Callable[[Sequence[int]], object]]
 
 
-def _experts_per_call(rows: int, num_experts: int) -> int:
-    """How many experts of `rows` rows one engine-calibration call runs: up to 4, about 32 rows in all. Timed
+# At most this many bytes of weights an engine-calibration call (but one expert): a Qwen1.5-MoE-A2.7B fp32 expert
+# holds 35 MB, and 4 of them a call made that shape's first call take 0.8-1.0 s on EPYC-AVX512, most of it the
+# engines' timing at 1-8 rows. Per call, what the batched engines save is then ~1-3% of one expert's time.
+_CALL_BYTES = 64 << 20
+
+
+def _experts_per_call(rows: int, num_experts: int, expert_bytes: int) -> int:
+    """How many experts of `rows` rows one engine-calibration call runs: up to 4, about 32 rows and
+    `_CALL_BYTES` in all. Timed
     one expert a call, what the batched engines ("grouped", "skinny": one call for all of a layer's experts)
     save per expert went uncredited: with Qwen3-30B-A3B shapes (fp32, Xeon-AMX, T=16) -quant kept three GEMVs
     per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a separate harness. Each call
     costs its experts' time, and calibration runs at least 4 calls per candidate: on EPYC-AVX512 (Qwen3-30B-A3B
     fp32) a shape's first call, which measures the engines on 1 and 2 threads and its bucket, took 1.05 s timed
     one expert a call, 2.7-2.9 s with 8 a call, 1.6-1.7 s with 4."""
-    return max(1, min(4, num_experts, 32 // rows))
+    return max(1, min(4, num_experts, 32 // rows, _CALL_BYTES // max(1, expert_bytes)))
 
 
 def _fastest_engines(
@@ -668,6 +676,7 @@ def _fastest_engines(
     num_experts: int,
     hidden: int,
     dtype: torch.dtype,
+    expert_bytes: int,
 ) -> tuple[tuple[str, ...], dict[str, float]]:
     """The fastest of `ops` at each row-count class (1, 2-3, 4-7, ... 64+ rows; timed at `_ENGINE_ROWS` rows),
     timed interleaved on a few experts of the layer per call (`_experts_per_call`), run as the layer runs them
@@ -678,7 +687,7 @@ def _fastest_engines(
     chosen, medians, hopeless = [], {}, set()
     with torch.no_grad():
         for m in _ENGINE_ROWS:
-            group = _experts_per_call(m, num_experts)
+            group = _experts_per_call(m, num_experts, expert_bytes)
             rows = _random_rows(generator, group * m, hidden, dtype)
             candidates = [
                 op for op in ops if _worth_timing(op, m, dtype) and (op == reference or op not in hopeless)
@@ -726,7 +735,10 @@ def _engines_plan(
 
         return run
 
-    chosen, medians = _fastest_engines(ops, "grouped", engine, num_experts, hidden, gate_up_proj.dtype)
+    expert_bytes = (gate_up_proj[0].numel() + down_proj[0].numel()) * gate_up_proj.element_size()
+    chosen, medians = _fastest_engines(
+        ops, "grouped", engine, num_experts, hidden, gate_up_proj.dtype, expert_bytes
+    )
     return Plan("layerswap", ops=chosen, source="calibrated"), medians
 
 
@@ -1030,8 +1042,9 @@ def _linear_expert_ops(
 
                 return run
 
+            expert_bytes = sum(t.numel() * t.element_size() for t in experts[0] if t is not None)
             ops, medians = _fastest_engines(
-                torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype
+                torch_moe.LINEAR_EXPERT_OPS, "row", engine, len(experts), hidden, dtype, expert_bytes
             )
             plan = Plan("layerswap", ops=ops, source="calibrated")
             logger.debug("layerswap: CPU engines for %s: %s (median ms %s)", key, ops, medians)

@@ -326,7 +326,8 @@ __attribute__((target("avx2,fma"))) void columns_avx2_widened(const Problem<Elem
 // so the sums are those of columns_avx2. bf16: one 32-byte load of the raw weights, split even/odd as in
 // stream_rows_avx2 (two integer operations per 16 values), against the input rows split alike once a call
 // (widen_x): no fp32 copy of the weights. Both products go to one accumulator; the two x vectors stay in
-// registers (folded into each FMA, as GCC had them, they were loaded NB times: 0.83-0.97x the time without).
+// registers (folded into each FMA, as GCC had them, they were loaded NB times; pinned, 0.83-0.97x the time at 7 of
+// 8 row counts).
 template <class Elem, int MB, int NB>
 __attribute__((target("avx2,fma"))) inline void tile_avx2_pairs(const Problem<Elem>& p, int64_t m, int64_t n,
                                                                 bool stream, const Elem* ahead, int ahead_first,

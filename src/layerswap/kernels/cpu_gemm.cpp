@@ -528,7 +528,8 @@ void run_block(const Problem<Elem>& p, int64_t isa, int64_t n, float* scratch, c
 template <class Elem>
 void run_rows(const Problem<Elem>& p, int64_t isa, int64_t first_row, int64_t last_row) {
   const int64_t block = isa == kIsaAvx512Bf16 && p.rows <= kStreamRows ? 8 : 4;
-  std::vector<float> scratch(p.x_fp32 ? block * (p.depth / 8 * 8) : 0);
+  // fp32 copies of a block of weight rows: bf16 on AVX2 from kPairRows rows (columns_avx2_widened) only
+  std::vector<float> scratch(p.x_fp32 && p.rows >= kPairRows<Elem> ? block * (p.depth / 8 * 8) : 0);
   int64_t n = first_row;
   for (; n + block <= last_row; n += block) {
     const Elem* ahead = n + 2 * block <= last_row ? p.w + (n + block) * p.ldw : nullptr;

@@ -652,20 +652,20 @@ Engine = Callable[[str, torch.Tensor, int], Callable[[Sequence[int]], object]]
 
 
 # At most this many bytes of weights an engine-calibration call (but one expert): a Qwen1.5-MoE-A2.7B fp32 expert
-# holds 35 MB, and 4 of them a call made that shape's first call take 0.8-1.0 s on EPYC-AVX512, most of it the
-# engines' timing at 1-8 rows. Per call, what the batched engines save is then ~1-3% of one expert's time.
+# holds 35 MB, and with 4 of them a call that shape's first call took 0.73-1.02 s on EPYC-AVX512, its engine timing
+# 0.64 s (0.46-0.49 s with one a call, the same plans). How much of a batched engine's per-call saving one expert a
+# call leaves uncredited at that size was not measured.
 _CALL_BYTES = 64 << 20
 
 
 def _experts_per_call(rows: int, num_experts: int, expert_bytes: int) -> int:
     """How many experts of `rows` rows one engine-calibration call runs: up to 4, about 32 rows and
-    `_CALL_BYTES` in all. Timed
-    one expert a call, what the batched engines ("grouped", "skinny": one call for all of a layer's experts)
-    save per expert went uncredited: with Qwen3-30B-A3B shapes (fp32, Xeon-AMX, T=16) -quant kept three GEMVs
-    per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a separate harness. Each call
-    costs its experts' time, and calibration runs at least 4 calls per candidate: on EPYC-AVX512 (Qwen3-30B-A3B
-    fp32) a shape's first call, which measures the engines on 1 and 2 threads and its bucket, took 1.05 s timed
-    one expert a call, 2.7-2.9 s with 8 a call, 1.6-1.7 s with 4."""
+    `_CALL_BYTES` in all. Timed one expert a call, what the batched engines ("grouped", "skinny": one call for
+    all of a layer's experts) save per expert went uncredited: with Qwen3-30B-A3B shapes (fp32, Xeon-AMX, T=16)
+    -quant kept three GEMVs per one-row expert, 1.11x stock, where the kernel's one call took 0.96x in a
+    separate harness. Each call costs its experts' time, and calibration runs at least 4 calls per candidate: on
+    EPYC-AVX512 (Qwen3-30B-A3B fp32) a shape's first call, which measures the engines on 1 and 2 threads and its
+    bucket, took 1.05 s timed one expert a call, 2.7-2.9 s with 8 a call, 1.6-1.7 s with 4."""
     return max(1, min(4, num_experts, 32 // rows, _CALL_BYTES // max(1, expert_bytes)))
 
 
